@@ -1,0 +1,74 @@
+"""The storage-tier extension point.
+
+A tier stores values under namespaced keys (``namespace.scoped``). Three exist:
+``ram`` (``kvtier.cacheserver.ram``), ``disk`` (``kvtier.cacheserver.disk``) and
+``redis`` (``kvtier.cacheserver.redis_tier``). The store
+(``kvtier.cacheserver.store``) chains them: reads go down the chain and promote
+on a hit, writes land in the first tier and are written behind to the others.
+
+Contract every tier keeps:
+
+- ``get`` returns the value or ``None`` for a miss. A stored record that fails
+  verification is deleted, counted in ``verification_failures`` and returned as
+  a miss: a tier never hands out a value it cannot vouch for.
+- Writes are atomic: a concurrent or later ``get`` sees the whole new value or
+  none of it, never a part.
+- Backend failures (I/O errors, Redis down) raise ``TierFailure``; the store
+  then degrades to the other tiers. A miss is not a failure.
+- ``put`` may evict older entries to stay within capacity; a value larger than
+  the whole capacity is not stored (``put`` returns False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class TierCounters:
+    """Running totals a tier keeps about itself (exported as metrics)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    verification_failures: int = 0
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    used_bytes: int
+    capacity_bytes: int  # 0 when the tier does not know (Redis with no maxmemory)
+    entries: int
+
+
+class Tier(Protocol):
+    """A storage tier. Implementations: RamTier, DiskTier, RedisTier."""
+
+    name: str
+    counters: TierCounters
+
+    async def get(self, key: bytes) -> bytes | memoryview | None:
+        """The value stored under ``key``, or None (miss or corrupt record)."""
+        ...
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether a value is stored (cheap: no payload is read or verified)."""
+        ...
+
+    async def put(self, key: bytes, value: bytes | memoryview) -> bool:
+        """Stores ``value`` atomically; False if it can never fit."""
+        ...
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Removes keys; returns how many were present."""
+        ...
+
+    def usage(self) -> TierUsage: ...
+
+    async def ping(self) -> None:
+        """Raises TierFailure when the backend is unreachable (used to probe recovery)."""
+        ...
+
+    async def close(self) -> None: ...

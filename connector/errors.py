@@ -1,0 +1,39 @@
+"""Errors raised by the kvtier connector library.
+
+The tree::
+
+    ConnectorError                 base of everything raised here
+    ├── ConfigError                a bad kv_connector_extra_config / key setting (names the field)
+    ├── ChunkDecodeError           a stored chunk failed verification (truncated, bad checksum,
+    │                              wrong key fingerprint, unknown version or codec): treat as a miss
+    └── TierError                  the cache tier could not serve a call
+        ├── TierUnavailable        transport failure, deadline exceeded, or circuit open: recompute
+        └── TierRejected           the tier refused the call as invalid (a bug or a limit): recompute
+
+Callers inside vLLM turn every ``TierError`` and ``ChunkDecodeError`` into a
+recompute; none of them may reach the engine.
+"""
+
+
+class ConnectorError(Exception):
+    """Base of every error raised by ``kvtier.connector``."""
+
+
+class ConfigError(ConnectorError, ValueError):
+    """A configuration value is invalid; the message names the field and what it accepts."""
+
+
+class ChunkDecodeError(ConnectorError):
+    """A stored chunk failed verification; the caller treats it as a miss."""
+
+
+class TierError(ConnectorError):
+    """The cache tier could not serve a call."""
+
+
+class TierUnavailable(TierError):
+    """The tier is unreachable, too slow (deadline), or the circuit breaker is open."""
+
+
+class TierRejected(TierError):
+    """The tier answered the call with an error status other than unavailability."""

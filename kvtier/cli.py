@@ -1,0 +1,4 @@
+"""kvtier command line."""
+
+def main() -> None:
+    raise SystemExit("not yet")
