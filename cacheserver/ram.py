@@ -1,8 +1,9 @@
 """The RAM tier: an LRU of values bounded in bytes.
 
-Values stay in process memory as the immutable bytes objects they arrived as,
-so a get hands out the stored object itself (no copy) and no verification is
-needed (nothing at rest can corrupt it). Single-threaded: it is only touched
+Values stay in process memory as they arrived (immutable bytes, or read-only
+memoryviews over the received message or reassembly buffer), so a get hands
+out the stored object itself (no copy) and no verification is needed (nothing
+at rest can corrupt it). Single-threaded: it is only touched
 from the server's event loop.
 """
 
@@ -20,10 +21,10 @@ class RamTier:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.counters = TierCounters()
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._entries: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
         self._used = 0
 
-    async def get(self, key: bytes) -> bytes | None:
+    async def get(self, key: bytes) -> bytes | memoryview | None:
         value = self._entries.get(key)
         if value is None:
             self.counters.misses += 1
@@ -36,16 +37,16 @@ class RamTier:
         return [k in self._entries for k in keys]
 
     async def put(self, key: bytes, value: bytes | memoryview) -> bool:
-        data = value if isinstance(value, bytes) else bytes(value)
-        size = len(data)
+        data = value if isinstance(value, bytes) else value.toreadonly()
+        size = memoryview(data).nbytes
         if size > self.capacity_bytes:
             return False
         old = self._entries.pop(key, None)
         if old is not None:
-            self._used -= len(old)
+            self._used -= memoryview(old).nbytes
         while self._used + size > self.capacity_bytes and self._entries:
             _, evicted = self._entries.popitem(last=False)
-            self._used -= len(evicted)
+            self._used -= memoryview(evicted).nbytes
             self.counters.evictions += 1
         self._entries[key] = data
         self._used += size
@@ -56,7 +57,7 @@ class RamTier:
         for key in keys:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._used -= len(old)
+                self._used -= memoryview(old).nbytes
                 n += 1
         return n
 

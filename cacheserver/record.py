@@ -15,7 +15,7 @@ failure, and the lookup is a miss.
 from __future__ import annotations
 
 import struct
-from collections.abc import Buffer
+from typing_extensions import Buffer
 
 import xxhash
 

@@ -1,0 +1,241 @@
+"""The disk tier: one file per value on local disk/NVMe, bounded in bytes.
+
+Layout under the configured directory::
+
+    v1/<2 hex>/<64 hex>    records (see ``kvtier.cacheserver.record``), named by
+                           sha256 of the namespaced key
+    tmp/                   files being written; emptied at start-up
+
+A value is written to ``tmp/`` and renamed into place, so a reader (and a
+restarted server) sees a whole record or none. No fsync by default: after a
+power loss a renamed file may hold garbage, which the record checksum detects
+on read (the entry is deleted and counted, the read is a miss). ``fsync=True``
+trades write speed for keeping entries across power loss.
+
+The index (key -> size, in LRU order) lives in memory and is rebuilt at
+start-up from the records' headers, so entries survive a restart. Eviction
+removes the least recently used files until the new value fits.
+
+File I/O runs in worker threads; the index is only touched from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.cacheserver import record
+from kvtier.cacheserver.errors import TierFailure
+from kvtier.cacheserver.tiers import TierCounters, TierUsage
+
+logger = logging.getLogger(__name__)
+
+_HEAD_READ = record.HEADER_SIZE + 512  # header + the longest namespaced key
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, directory: Path, capacity_bytes: int, *, fsync: bool = False) -> None:
+        self.directory = directory
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.counters = TierCounters()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> record size on disk
+        self._used = 0
+        self._root = directory / "v1"
+        self._tmp = directory / "tmp"
+
+    # -- start-up -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Creates the layout and rebuilds the index from the records on disk."""
+        try:
+            entries = await asyncio.to_thread(self._scan)
+        except OSError as exc:
+            raise TierFailure("disk", f"cannot open {self.directory}: {exc.strerror}") from exc
+        for key, size in entries:
+            self._index[key] = size
+            self._used += size
+        await self._evict_to(0)
+        logger.info(
+            "disk tier at %s: %d entries, %d bytes recovered", self.directory, len(entries), self._used
+        )
+
+    def _scan(self) -> list[tuple[bytes, int]]:
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        for leftover in self._tmp.iterdir():
+            leftover.unlink(missing_ok=True)
+        found: list[tuple[float, bytes, int]] = []
+        for sub in self._root.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                try:
+                    st = path.stat()
+                    with path.open("rb") as f:
+                        key, value_len, _ = record.parse_header(f.read(_HEAD_READ))
+                    if path.name != _file_name(key) or st.st_size != (
+                        record.HEADER_SIZE + len(key) + value_len
+                    ):
+                        raise record.CorruptRecord("name or size does not match the header")
+                except (OSError, record.CorruptRecord):
+                    path.unlink(missing_ok=True)
+                    self.counters.verification_failures += 1
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort()  # oldest first: LRU order approximated by modification time
+        return [(key, size) for _, key, size in found]
+
+    # -- the Tier protocol ---------------------------------------------------------
+
+    async def get(self, key: bytes) -> memoryview | None:
+        if key not in self._index:
+            self.counters.misses += 1
+            return None
+        path = self._path(key)
+        try:
+            blob = await asyncio.to_thread(_read_file, path)
+        except FileNotFoundError:
+            self._forget(key)
+            self.counters.misses += 1
+            return None
+        except OSError as exc:
+            raise TierFailure("disk", f"read failed: {exc.strerror}") from exc
+        try:
+            value = record.decode(key, blob)
+        except record.CorruptRecord as exc:
+            logger.warning("disk tier: dropping a corrupt record (%s)", exc)
+            self.counters.verification_failures += 1
+            self.counters.misses += 1
+            await self.delete([key])
+            return None
+        if key in self._index:
+            self._index.move_to_end(key)
+        self.counters.hits += 1
+        return value
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._index for k in keys]
+
+    async def put(self, key: bytes, value: bytes | memoryview) -> bool:
+        head = record.header(key, value)
+        size = len(head) + memoryview(value).nbytes
+        if size > self.capacity_bytes:
+            return False
+        await self._evict_to(size)
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= old
+        # Reserve the space before the write so concurrent puts cannot overshoot.
+        self._used += size
+        try:
+            await asyncio.to_thread(self._write, key, head, value)
+        except OSError as exc:
+            self._used -= size
+            raise TierFailure("disk", f"write failed: {exc.strerror}") from exc
+        self._index[key] = size
+        return True
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        present = [k for k in keys if k in self._index]
+        for key in present:
+            self._forget(key)
+        if present:
+            try:
+                await asyncio.to_thread(self._unlink_many, present)
+            except OSError as exc:
+                raise TierFailure("disk", f"delete failed: {exc.strerror}") from exc
+        return len(present)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._used, self.capacity_bytes, len(self._index))
+
+    async def ping(self) -> None:
+        """Checks the directory is writable (a probe file written and removed)."""
+        probe = self._tmp / f"ping-{secrets.token_hex(4)}"
+        try:
+            await asyncio.to_thread(_write_and_remove, probe)
+        except OSError as exc:
+            raise TierFailure("disk", f"{self.directory} is not writable: {exc.strerror}") from exc
+
+    async def close(self) -> None:
+        return None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        name = _file_name(key)
+        return self._root / name[:2] / name
+
+    def _forget(self, key: bytes) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= size
+
+    async def _evict_to(self, incoming: int) -> None:
+        victims: list[bytes] = []
+        while self._index and self._used + incoming > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            victims.append(key)
+        if victims:
+            self.counters.evictions += len(victims)
+            try:
+                await asyncio.to_thread(self._unlink_many, victims)
+            except OSError as exc:
+                raise TierFailure("disk", f"eviction failed: {exc.strerror}") from exc
+
+    def _unlink_many(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def _write(self, key: bytes, head: bytes, value: bytes | memoryview) -> None:
+        final = self._path(key)
+        tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(value)
+            _write_all(fd, head)
+            _write_all(fd, view)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def _file_name(key: bytes) -> str:
+    return hashlib.sha256(key).hexdigest()
+
+
+def _read_file(path: Path) -> bytes:
+    with path.open("rb", buffering=0) as f:
+        return f.read()
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _write_and_remove(path: Path) -> None:
+    path.write_bytes(b"ok")
+    path.unlink()

@@ -1,0 +1,157 @@
+"""Builds and runs the cache tier: tiers, store, gRPC server, health, reflection, metrics.
+
+``serve(settings)`` runs until SIGTERM/SIGINT, then shuts down gracefully:
+health turns NOT_SERVING (load balancers stop sending), in-flight calls get
+``--grace-period`` to finish, pending write-behind copies are flushed within
+the same period, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvtier.cacheserver.disk import DiskTier
+from kvtier.cacheserver.metrics import ServerMetrics, TierCollector
+from kvtier.cacheserver.ram import RamTier
+from kvtier.cacheserver.servicer import MAX_PUT_FRAME_BYTES, CacheServicer, TenantOf, default_tenant
+from kvtier.cacheserver.settings import Settings
+from kvtier.cacheserver.store import StorePolicy, TieredStore
+from kvtier.cacheserver.tiers import Tier
+from kvtier.proto import SERVICE_NAME, cache_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningServer:
+    """A started tier; ``port``/``metrics_port`` are the bound ones (useful with port 0)."""
+
+    settings: Settings
+    server: grpc.aio.Server
+    store: TieredStore
+    health: health.aio.HealthServicer
+    metrics: ServerMetrics
+    port: int
+    metrics_port: int = 0
+    _http: object = field(default=None, repr=False)
+
+    @property
+    def target(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.settings.grace_period_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        self.metrics.healthy.set(0)
+        await self.server.stop(grace)
+        if not await self.store.drain(grace):
+            logger.warning("shutdown: write-behind copies still pending after %.1fs were dropped", grace)
+        await self.store.close()
+        if self._http is not None:
+            with contextlib.suppress(Exception):
+                self._http.shutdown()  # type: ignore[attr-defined]
+
+
+async def build_tiers(settings: Settings) -> list[Tier]:
+    tiers: list[Tier] = [RamTier(settings.ram_bytes)]
+    if settings.disk_bytes > 0 and settings.disk_dir is not None:
+        disk = DiskTier(settings.disk_dir, settings.disk_bytes, fsync=settings.disk_fsync)
+        await disk.open()
+        tiers.append(disk)
+    if settings.redis_url:
+        from kvtier.cacheserver.redis_tier import RedisTier
+
+        tiers.append(
+            RedisTier(
+                settings.redis_url,
+                password=settings.redis_password,
+                timeout_s=settings.redis_timeout_s,
+                ttl_s=settings.redis_ttl_s,
+            )
+        )
+    return tiers
+
+
+def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_PUT_FRAME_BYTES + (1 << 20)),
+        ("grpc.max_send_message_length", settings.frame_bytes + (1 << 20)),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+async def start(settings: Settings, *, tenant_of: TenantOf = default_tenant) -> RunningServer:
+    """Starts a tier in the running event loop and returns once it accepts calls."""
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry)
+    tiers = await build_tiers(settings)
+    policy = StorePolicy(
+        write_through=settings.write_policy == "write-through",
+        tier_timeout_s=settings.tier_timeout_s,
+    )
+    store = TieredStore(tiers, policy, metrics)
+    registry.register(TierCollector(lambda: store.tiers, store.is_healthy))
+    store.start()
+
+    server = grpc.aio.server(options=grpc_options(settings))
+    servicer = CacheServicer(store, settings, metrics, tenant_of)
+    server.add_generic_rpc_handlers((servicer.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        await store.close()
+        raise OSError(f"cannot listen on {settings.host}:{settings.port} (in use or not an address of this host)")
+    await server.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    await health_servicer.set("", serving)
+    await health_servicer.set(SERVICE_NAME, serving)
+    metrics.healthy.set(1)
+
+    running = RunningServer(settings, server, store, health_servicer, metrics, port)
+    if settings.metrics_port:
+        http, _thread = start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+        running._http = http
+        running.metrics_port = http.server_address[1]
+    return running
+
+
+async def serve(settings: Settings) -> int:
+    """Runs the tier until SIGTERM or SIGINT; returns the process exit code."""
+    running = await start(settings)
+    tiers = ", ".join(
+        f"{t.name} {t.usage().capacity_bytes / (1 << 30):.1f}GiB" if t.usage().capacity_bytes else t.name
+        for t in running.store.tiers
+    )
+    logger.info(
+        "kvtier server listening on %s (tiers: %s; metrics on :%s/metrics)",
+        running.target,
+        tiers,
+        running.metrics_port or "off",
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: NOT_SERVING, %.1fs grace for in-flight calls", settings.grace_period_s)
+    await running.stop()
+    logger.info("stopped")
+    return 0

@@ -1,0 +1,237 @@
+"""Settings of ``kvtier server``: read once from flags and ``KVTIER_*`` env vars, validated.
+
+Every flag ``--some-flag`` can also be given as the env var ``KVTIER_SOME_FLAG``;
+a flag on the command line wins over the env var. Sizes accept ``B``, ``KiB``,
+``MiB``, ``GiB``, ``TiB`` (and ``KB``/``MB``/``GB``/``TB`` as powers of 1000);
+durations accept ``ms``, ``s``, ``m`` or a plain number of seconds. A bad value
+stops the server at start-up with a message naming the flag, its env var and
+what it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.cacheserver.errors import SettingsError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError("a size such as 512MiB, 2GiB or 1000000 (bytes)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError("a duration such as 500ms, 2s or 1.5 (seconds)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+
+
+def format_size(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def default_disk_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "tier"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    ram_bytes: int = 2 << 30
+    disk_dir: Path | None = None
+    disk_bytes: int = 20 << 30
+    disk_fsync: bool = False
+    redis_url: str | None = None
+    redis_password: str | None = None
+    redis_timeout_s: float = 0.5
+    redis_ttl_s: float = 0.0
+    write_policy: str = "write-behind"
+    tier_timeout_s: float = 1.0
+    max_value_bytes: int = 256 << 20
+    frame_bytes: int = 4 << 20
+    max_keys: int = 4096
+    max_key_bytes: int = 256
+    grace_period_s: float = 10.0
+    log_level: str = "info"
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class _Flag:
+    name: str  # flag without dashes, e.g. "ram-bytes"
+    field: str
+    parse: Callable[[str], Any]
+    help: str
+    accepts: str
+
+    @property
+    def env(self) -> str:
+        return "KVTIER_" + self.name.upper().replace("-", "_")
+
+
+def _port(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= 65535:
+        raise ValueError
+    return n
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise ValueError
+    return n
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError
+
+
+def _choice(*values: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in values:
+            raise ValueError
+        return text
+
+    return parse
+
+
+_FLAGS = [
+    _Flag("host", "host", str, "address to listen on (0.0.0.0 in a pod)", "an IP address or host name"),
+    _Flag("port", "port", _port, "gRPC port (0: pick a free one)", "a port number 0..65535"),
+    _Flag("metrics-port", "metrics_port", _port, "Prometheus /metrics HTTP port (0: off)", "a port number 0..65535"),
+    _Flag("ram-bytes", "ram_bytes", parse_size, "RAM tier capacity", "a size such as 2GiB"),
+    _Flag("disk-dir", "disk_dir", Path, "disk tier directory (default ~/.cache/kvtier/tier)", "a directory path"),
+    _Flag("disk-bytes", "disk_bytes", parse_size, "disk tier capacity (0: no disk tier)", "a size such as 20GiB, or 0"),
+    _Flag("disk-fsync", "disk_fsync", _bool, "fsync each disk write (survives power loss; slower)", "true or false"),
+    _Flag("redis-url", "redis_url", str, "Redis tier: redis://, rediss:// (TLS), unix:// or redis+cluster:// URL", "a Redis URL"),
+    _Flag("redis-password", "redis_password", str, "Redis password (prefer the env var)", "a string"),
+    _Flag("redis-timeout", "redis_timeout_s", parse_duration, "deadline of each Redis call", "a duration such as 500ms"),
+    _Flag("redis-ttl", "redis_ttl_s", parse_duration, "expiry of values written to Redis (0: none)", "a duration such as 24h in seconds, or 0"),
+    _Flag("write-policy", "write_policy", _choice("write-behind", "write-through"),
+          "write-behind: Put returns once RAM holds the value; write-through: once every tier does",
+          "write-behind or write-through"),
+    _Flag("tier-timeout", "tier_timeout_s", parse_duration, "deadline of a disk/Redis operation before the tier is marked failing", "a duration such as 1s"),
+    _Flag("max-value-bytes", "max_value_bytes", parse_size, "largest value (chunk) accepted", "a size such as 256MiB"),
+    _Flag("frame-bytes", "frame_bytes", parse_size, "size of the frames Get sends", "a size from 64KiB to 16MiB"),
+    _Flag("max-keys", "max_keys", _positive_int, "most keys in one Lookup/Get/Delete", "a positive integer"),
+    _Flag("max-key-bytes", "max_key_bytes", _positive_int, "longest key accepted", "a positive integer up to 1024"),
+    _Flag("grace-period", "grace_period_s", parse_duration, "on SIGTERM, how long in-flight calls may finish", "a duration such as 10s"),
+    _Flag("log-level", "log_level", _choice("debug", "info", "warning", "error"), "log level", "debug, info, warning or error"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Settings()
+    for flag in _FLAGS:
+        default = getattr(defaults, flag.field)
+        shown = "off" if default is None and flag.field != "disk_dir" else default
+        if flag.field == "disk_dir":
+            shown = default_disk_dir()
+        elif flag.parse is parse_size:
+            shown = format_size(default)
+        elif flag.parse is parse_duration:
+            shown = f"{default:g}s"
+        parser.add_argument(
+            f"--{flag.name}",
+            dest=flag.field,
+            metavar=flag.name.split("-")[-1].upper(),
+            default=None,
+            help=f"{flag.help} [env {flag.env}; default {shown}]",
+        )
+
+
+def from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
+    """Builds validated Settings from parsed flags, falling back to KVTIER_* env vars."""
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    for flag in _FLAGS:
+        raw = getattr(args, flag.field, None)
+        source = f"--{flag.name}"
+        if raw is None and flag.env in env:
+            raw, source = env[flag.env], flag.env
+        if raw is None:
+            continue
+        try:
+            values[flag.field] = flag.parse(raw)
+        except (ValueError, TypeError):
+            raise SettingsError(
+                f"{source}={raw!r} is invalid: expected {flag.accepts} "
+                f"(flag --{flag.name}, env {flag.env})"
+            ) from None
+    settings = Settings(**values)
+    if settings.disk_dir is None and settings.disk_bytes > 0:
+        settings = Settings(**{**values, "disk_dir": default_disk_dir()})
+    _check(settings)
+    return settings
+
+
+def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="kvtier server")
+    add_arguments(parser)
+    return from_args(parser.parse_args(list(argv)), env)
+
+
+def _check(s: Settings) -> None:
+    def bad(flag: str, message: str) -> SettingsError:
+        env = "KVTIER_" + flag.upper().replace("-", "_")
+        return SettingsError(f"--{flag} (env {env}): {message}")
+
+    if s.ram_bytes <= 0:
+        raise bad("ram-bytes", "must be greater than 0 (the RAM tier is always on)")
+    if s.frame_bytes < 64 << 10 or s.frame_bytes > 16 << 20:
+        raise bad("frame-bytes", "must be between 64KiB and 16MiB")
+    if s.max_value_bytes <= 0:
+        raise bad("max-value-bytes", "must be greater than 0")
+    if s.max_key_bytes > 1024:
+        raise bad("max-key-bytes", "must be at most 1024")
+    if s.redis_url is not None and not re.match(r"^(redis|rediss|unix|redis\+cluster|rediss\+cluster)://", s.redis_url):
+        raise bad("redis-url", "must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://")
+    for flag, value in (("redis-timeout", s.redis_timeout_s), ("tier-timeout", s.tier_timeout_s)):
+        if value <= 0:
+            raise bad(flag, "must be greater than 0")
+    if s.redis_ttl_s < 0:
+        raise bad("redis-ttl", "must be 0 (no expiry) or positive")
+    if s.grace_period_s < 0:
+        raise bad("grace-period", "must be 0 or positive")

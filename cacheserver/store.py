@@ -1,0 +1,282 @@
+"""The tiered store: RAM -> disk -> Redis, with promotion, write-behind and degradation.
+
+Reads walk the tiers top-down; a hit in a lower tier is promoted (copied up) so
+the next read is faster. Writes land in the first tier (RAM) at once and are
+written behind to the lower tiers by one background task per tier, through a
+bounded pending set (full: the copy is dropped and counted, the RAM copy
+stays). With ``write_through`` a Put returns only once every healthy tier holds
+the value.
+
+A lower tier that fails (an I/O error, Redis down, or slower than
+``tier_timeout_s``) is marked unhealthy: the failure is logged once and
+counted, calls skip it, and a prober pings it every ``probe_interval_s`` until
+it answers again. A failing tier therefore costs a miss (a recompute in the
+engine), never a failed call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvtier.cacheserver.errors import TierFailure
+from kvtier.cacheserver.metrics import ServerMetrics
+from kvtier.cacheserver.tiers import Tier
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    write_through: bool = False
+    # Bounds of each lower tier's write-behind pending set.
+    write_behind_values: int = 1024
+    write_behind_bytes: int = 1 << 30
+    tier_timeout_s: float = 1.0
+    probe_interval_s: float = 1.0
+    promote: bool = True
+
+
+class _Skip(Exception):
+    """The tier is unhealthy or just failed: behave as if it had nothing."""
+
+
+class _WriteBehind:
+    """Values waiting to be copied into one lower tier (newest value per key wins)."""
+
+    def __init__(self, max_values: int, max_bytes: int) -> None:
+        self.pending: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
+        self.bytes = 0
+        self.max_values = max_values
+        self.max_bytes = max_bytes
+        self.wakeup = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def offer(self, key: bytes, value: bytes | memoryview) -> bool:
+        size = memoryview(value).nbytes
+        old = self.pending.pop(key, None)
+        if old is not None:
+            self.bytes -= memoryview(old).nbytes
+        if len(self.pending) >= self.max_values or self.bytes + size > self.max_bytes:
+            return False
+        self.pending[key] = value
+        self.bytes += size
+        self.idle.clear()
+        self.wakeup.set()
+        return True
+
+    def discard(self, key: bytes) -> None:
+        old = self.pending.pop(key, None)
+        if old is not None:
+            self.bytes -= memoryview(old).nbytes
+
+    def take(self) -> tuple[bytes, bytes | memoryview] | None:
+        if not self.pending:
+            return None
+        key, value = self.pending.popitem(last=False)
+        self.bytes -= memoryview(value).nbytes
+        return key, value
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], policy: StorePolicy, metrics: ServerMetrics) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = list(tiers)
+        self.policy = policy
+        self.metrics = metrics
+        self._healthy = {t.name: True for t in self.tiers}
+        self._behind = {
+            t.name: _WriteBehind(policy.write_behind_values, policy.write_behind_bytes)
+            for t in self.tiers[1:]
+        }
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        for tier in self.tiers[1:]:
+            self._tasks.append(asyncio.create_task(self._write_behind_loop(tier)))
+        self._tasks.append(asyncio.create_task(self._probe_loop()))
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Waits until every write-behind copy is done; False on timeout."""
+        waits = [wb.idle.wait() for wb in self._behind.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for tier in self.tiers:
+            with contextlib.suppress(Exception):
+                await tier.close()
+
+    def is_healthy(self, tier_name: str) -> bool:
+        return self._healthy.get(tier_name, False)
+
+    def write_behind_depth(self) -> int:
+        return sum(len(wb.pending) for wb in self._behind.values())
+
+    # -- operations ---------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present in some tier."""
+        present = [False] * len(keys)
+        first_missing = 0
+        for tier in self.tiers:
+            first_missing = _leading(present, first_missing)
+            if first_missing == len(keys):
+                break
+            todo = [i for i in range(first_missing, len(keys)) if not present[i]]
+            pending = self._behind.get(tier.name)
+            try:
+                found = await self._call(tier, "contains", lambda t=tier, ks=[keys[i] for i in todo]: t.contains(ks))
+            except _Skip:
+                continue
+            for i, hit in zip(todo, found, strict=True):
+                if hit or (pending is not None and keys[i] in pending.pending):
+                    present[i] = True
+        return _leading(present, 0)
+
+    async def get(self, key: bytes) -> bytes | memoryview | None:
+        for depth, tier in enumerate(self.tiers):
+            try:
+                value = await self._call(tier, "get", lambda t=tier: t.get(key))
+            except _Skip:
+                value = None
+            if value is None:
+                pending = self._behind.get(tier.name)
+                if pending is not None and key in pending.pending:
+                    return pending.pending[key]
+                continue
+            if depth and self.policy.promote:
+                await self._promote(key, value, depth)
+            return value
+        return None
+
+    async def put(self, key: bytes, value: bytes) -> bool:
+        """Stores a value; False when no tier would take it (larger than every tier)."""
+        top = self.tiers[0]
+        stored = False
+        try:
+            stored = await self._call(top, "put", lambda: top.put(key, value))
+        except _Skip:
+            pass
+        for tier in self.tiers[1:]:
+            if self.policy.write_through:
+                try:
+                    stored = await self._call(tier, "put", lambda t=tier: t.put(key, value)) or stored
+                except _Skip:
+                    pass
+            elif self._healthy[tier.name]:
+                if self._behind[tier.name].offer(key, value):
+                    stored = True
+                else:
+                    self.metrics.write_behind_dropped.labels(tier.name).inc()
+        self.metrics.write_behind_depth.set(self.write_behind_depth())
+        return stored
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        deleted = 0
+        for tier in self.tiers:
+            wb = self._behind.get(tier.name)
+            if wb is not None:
+                for key in keys:
+                    wb.discard(key)
+            try:
+                n = await self._call(tier, "delete", lambda t=tier: t.delete(keys))
+            except _Skip:
+                continue
+            deleted = max(deleted, n)
+        return deleted
+
+    # -- internals ----------------------------------------------------------------
+
+    async def _call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        if not self._healthy[tier.name]:
+            raise _Skip
+        try:
+            return await asyncio.wait_for(fn(), self.policy.tier_timeout_s)
+        except (TierFailure, TimeoutError, OSError) as exc:
+            self._mark_failed(tier, op, exc)
+            raise _Skip from exc
+
+    def _mark_failed(self, tier: Tier, op: str, exc: BaseException) -> None:
+        self.metrics.tier_errors.labels(tier.name, op).inc()
+        if tier is self.tiers[0]:
+            return  # RAM does not fail; never take the top tier out
+        if self._healthy[tier.name]:
+            self._healthy[tier.name] = False
+            reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+            logger.warning(
+                "%s tier failing (%s during %s): serving from the other tiers until it recovers",
+                tier.name,
+                reason,
+                op,
+            )
+            # Pending copies would only pile up; they are dropped, not replayed.
+            wb = self._behind.get(tier.name)
+            if wb is not None:
+                wb.pending.clear()
+                wb.bytes = 0
+                wb.idle.set()
+
+    async def _promote(self, key: bytes, value: bytes | memoryview, depth: int) -> None:
+        for tier in self.tiers[:depth]:
+            if tier is self.tiers[0]:
+                try:
+                    if await self._call(tier, "put", lambda t=tier: t.put(key, value)):
+                        self.metrics.promotions.labels(tier.name).inc()
+                except _Skip:
+                    pass
+            elif self._healthy[tier.name] and self._behind[tier.name].offer(key, value):
+                self.metrics.promotions.labels(tier.name).inc()
+
+    async def _write_behind_loop(self, tier: Tier) -> None:
+        wb = self._behind[tier.name]
+        while True:
+            item = wb.take()
+            if item is None:
+                wb.idle.set()
+                self.metrics.write_behind_depth.set(self.write_behind_depth())
+                wb.wakeup.clear()
+                await wb.wakeup.wait()
+                continue
+            key, value = item
+            with contextlib.suppress(_Skip):
+                await self._call(tier, "put", lambda k=key, v=value: tier.put(k, v))
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.policy.probe_interval_s)
+            for tier in self.tiers:
+                if self._healthy[tier.name]:
+                    continue
+                try:
+                    await asyncio.wait_for(tier.ping(), self.policy.tier_timeout_s)
+                except (TierFailure, TimeoutError, OSError):
+                    continue
+                self._healthy[tier.name] = True
+                logger.warning("%s tier recovered: serving from it again", tier.name)
+
+
+def _leading(present: list[bool], start: int) -> int:
+    i = start
+    while i < len(present) and present[i]:
+        i += 1
+    return i
