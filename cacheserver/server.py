@@ -84,7 +84,7 @@ async def build_tiers(settings: Settings) -> list[Tier]:
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", MAX_PUT_FRAME_BYTES + (1 << 20)),
-        ("grpc.max_send_message_length", settings.frame_bytes + (1 << 20)),
+        ("grpc.max_send_message_length", settings.frame_bytes),
         ("grpc.so_reuseport", 0),
     ]
 

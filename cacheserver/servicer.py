@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from kvtier.cacheserver.errors import InvalidRequest, LimitExceeded, RequestError
@@ -137,7 +137,7 @@ class CacheServicer:
         keys = list(request.keys)
         self._keys(keys, "GetRequest.keys")
         tenant = self.tenant_of(context)
-        frame = self.settings.frame_bytes
+        frame = self.settings.frame_bytes - wire.FRAME_OVERHEAD
         hits = misses = 0
         try:
             for index, key in enumerate(keys):
@@ -234,13 +234,13 @@ class CacheServicer:
             SERVICE_NAME,
             {
                 "Lookup": grpc.unary_unary_rpc_method_handler(
-                    self._observed("Lookup", self.lookup),
-                    request_deserializer=cache_pb2.LookupRequest.FromString,
+                    self._observed("Lookup", self.lookup, cache_pb2.LookupRequest),
+                    request_deserializer=wire.identity,
                     response_serializer=cache_pb2.LookupResponse.SerializeToString,
                 ),
                 "Get": grpc.unary_stream_rpc_method_handler(
-                    self._observed_stream("Get", self.get),
-                    request_deserializer=cache_pb2.GetRequest.FromString,
+                    self._observed_stream("Get", self.get, cache_pb2.GetRequest),
+                    request_deserializer=wire.identity,
                     response_serializer=wire.identity,
                 ),
                 "Put": grpc.stream_unary_rpc_method_handler(
@@ -249,25 +249,29 @@ class CacheServicer:
                     response_serializer=cache_pb2.PutResponse.SerializeToString,
                 ),
                 "Delete": grpc.unary_unary_rpc_method_handler(
-                    self._observed("Delete", self.delete),
-                    request_deserializer=cache_pb2.DeleteRequest.FromString,
+                    self._observed("Delete", self.delete, cache_pb2.DeleteRequest),
+                    request_deserializer=wire.identity,
                     response_serializer=cache_pb2.DeleteResponse.SerializeToString,
                 ),
                 "Stats": grpc.unary_unary_rpc_method_handler(
-                    self._observed("Stats", self.stats),
-                    request_deserializer=cache_pb2.StatsRequest.FromString,
+                    self._observed("Stats", self.stats, cache_pb2.StatsRequest),
+                    request_deserializer=wire.identity,
                     response_serializer=cache_pb2.StatsResponse.SerializeToString,
                 ),
             },
         )
 
-    def _observed(self, op: str, fn: Callable[..., object]) -> Callable[..., object]:
-        """Wraps a unary-response handler: error mapping, metrics."""
+    def _observed(
+        self, op: str, fn: Callable[..., object], message: type[Message] | None = None
+    ) -> Callable[..., object]:
+        """Wraps a unary-response handler: request parsing, error mapping, metrics."""
 
         async def handle(request: object, context: grpc.aio.ServicerContext[object, object]) -> object:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
+                if message is not None:
+                    request = _parse(message, request)  # type: ignore[arg-type]
                 return await fn(request, context)  # type: ignore[misc]
             except RequestError as exc:
                 code = exc.code
@@ -286,16 +290,18 @@ class CacheServicer:
 
         return handle
 
-    def _observed_stream(self, op: str, fn: Callable[..., AsyncIterator[bytes]]) -> Callable[..., object]:
-        """Wraps a streaming-response handler: error mapping, metrics."""
+    def _observed_stream(
+        self, op: str, fn: Callable[..., AsyncIterator[bytes]], message: type[Message]
+    ) -> Callable[..., object]:
+        """Wraps a streaming-response handler: request parsing, error mapping, metrics."""
 
         async def handle(
-            request: object, context: grpc.aio.ServicerContext[object, object]
+            request: bytes, context: grpc.aio.ServicerContext[object, object]
         ) -> AsyncIterator[bytes]:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                async for frame in fn(request, context):
+                async for frame in fn(_parse(message, request), context):
                     yield frame
             except RequestError as exc:
                 code = exc.code
@@ -312,3 +318,10 @@ class CacheServicer:
                 self.metrics.latency.labels(op).observe(time.perf_counter() - start)
 
         return handle
+
+
+def _parse(message: type[Message], raw: bytes) -> Message:
+    try:
+        return message.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidRequest(f"{message.__name__}: not a valid protobuf message ({exc})") from None

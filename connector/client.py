@@ -169,7 +169,7 @@ class TierClient:
     # -- framing --------------------------------------------------------------------
 
     def _frames(self, items: Iterable[tuple[bytes, Value]]) -> Iterator[bytes]:
-        limit = self.frame_bytes
+        limit = self.frame_bytes - wire.FRAME_OVERHEAD
         for key, value in items:
             pieces = value if isinstance(value, list | tuple) else [value]
             parts = [memoryview(p).cast("B") for p in pieces]

@@ -20,6 +20,12 @@ from dataclasses import dataclass
 _VARINT = 0
 _LEN = 2
 
+# Room kept for a frame's fields besides its data (a key, lengths, tags), so a
+# frame of ``frame_bytes`` on the wire carries ``frame_bytes - FRAME_OVERHEAD``
+# data bytes. With the default 4 MiB, frames fit gRPC's default 4 MiB receive
+# limit, so any gRPC client can read them.
+FRAME_OVERHEAD = 2048
+
 
 class WireError(ValueError):
     """A frame is malformed; the message names the field."""
