@@ -1,0 +1,108 @@
+"""The kopf handlers: thin wrappers that run a reconcile and write its status.
+
+For each kind, create, update, resume and a timer (``resync_seconds``) share
+one idempotent path (``kvtier.operator.reconcile``); the timer is what brings
+back a deleted or edited child and notices children becoming ready. There is
+no delete handler and so no finalizer: children carry owner references and
+Kubernetes' garbage collector removes them with their parent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kvtier.operator.children import ClusterFeatures
+from kvtier.operator.errors import KubeError
+from kvtier.operator.kube import KubeClient
+from kvtier.operator.reconcile import Context, reconcile_cache_tier, reconcile_model_recipe
+from kvtier.operator.spec import GROUP, VERSION
+
+logger = logging.getLogger(__name__)
+
+GRPC_PROBES_SINCE = (1, 24)
+Reconcile = Callable[[Context, Mapping[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    tier_image: str
+    resync_seconds: float = 30.0
+    retry_seconds: float = 10.0
+
+
+@dataclass
+class _Runtime:
+    """What the startup handler builds for the others."""
+
+    context: Context | None = field(default=None)
+
+
+def login(**kwargs: Any) -> kopf.ConnectionInfo:
+    """In a pod: its service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is None:
+        raise kopf.LoginError("no credentials: not in a pod, and no $KUBECONFIG or ~/.kube/config")
+    return info
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Register every handler of the operator into ``registry``."""
+    runtime = _Runtime()
+
+    @kopf.on.login(registry=registry)
+    def _login(**kwargs: Any) -> kopf.ConnectionInfo:
+        return login(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def _startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+        configure(settings)
+        client = KubeClient.from_connection_info(login(settings=settings, **kwargs))
+        version = await client.version()
+        features = ClusterFeatures(grpc_probes=version >= GRPC_PROBES_SINCE)
+        logger.info("API server %d.%d: %s", *version, features)
+        runtime.context = Context(client, config.tier_image, features)
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(**_: Any) -> None:
+        if runtime.context is not None:
+            await runtime.context.client.close()
+
+    def handler(reconcile: Reconcile) -> Callable[..., Awaitable[None]]:
+        async def handle(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+            assert runtime.context is not None, "the startup handler runs first"
+            try:
+                status = await reconcile(runtime.context, body)
+            except KubeError as exc:
+                raise kopf.TemporaryError(str(exc), delay=config.retry_seconds) from exc
+            patch.status.update(status)
+
+        return handle
+
+    for plural, reconcile in (
+        ("cachetiers", reconcile_cache_tier),
+        ("modelrecipes", reconcile_model_recipe),
+    ):
+        handle = handler(reconcile)
+        resource = (GROUP, VERSION, plural)
+        kopf.on.resume(*resource, registry=registry, id="reconcile")(handle)
+        kopf.on.create(*resource, registry=registry, id="reconcile")(handle)
+        kopf.on.update(*resource, registry=registry, id="reconcile")(handle)
+        kopf.timer(
+            *resource, registry=registry, id="resync",
+            interval=config.resync_seconds, initial_delay=config.resync_seconds,
+        )(handle)  # fmt: skip
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf's bookkeeping in the kvtier.io annotation namespace, and no finalizers of its own."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.level = logging.WARNING  # Kubernetes events for warnings and errors only
+    settings.watching.server_timeout = 300

@@ -1,0 +1,200 @@
+"""One reconcile of a CacheTier or a ModelRecipe: parse, compute, apply, observe, report.
+
+Create, update, resume and the drift timer all call these: every step is
+idempotent (server-side apply of the whole desired object). Problems a user
+must fix (an invalid spec, a missing Secret or tier, a name taken by someone
+else's object) end in the returned status, not in an exception; API errors
+are raised for kopf to retry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.operator import conditions as cond
+from kvtier.operator.children import (
+    ClusterFeatures,
+    cache_tier_children,
+    engine_endpoint,
+    model_recipe_children,
+    tier_endpoint,
+)
+from kvtier.operator.conditions import Condition
+from kvtier.operator.errors import ChildConflict, Invalid, SpecError
+from kvtier.operator.kube import Kind, KubeClient, kind_for, kind_of
+from kvtier.operator.spec import (
+    API_VERSION,
+    INLINE_TIER_SUFFIX,
+    Owner,
+    SecretKeyRef,
+    TierSpec,
+    parse_cache_tier,
+    parse_model_recipe,
+    parse_tier_spec,
+)
+
+logger = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+CACHE_TIER = kind_of(API_VERSION, "CacheTier")
+SECRET = kind_of("v1", "Secret")
+TIER_CONDITIONS = ("Ready",)
+RECIPE_CONDITIONS = ("TierReady", "EngineReady", "Ready")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a reconcile needs besides the custom resource."""
+
+    client: KubeClient
+    tier_image: str
+    features: ClusterFeatures
+
+
+async def reconcile_cache_tier(ctx: Context, body: Mapping[str, Any]) -> Obj:
+    """Bring a CacheTier's children to their desired state; return its new status."""
+    try:
+        tier = parse_cache_tier(body)
+    except SpecError as exc:
+        return _status(body, cond.failed(TIER_CONDITIONS, "InvalidSpec", str(exc)))
+    owner = tier.owner
+    endpoint = {"endpoint": tier_endpoint(owner.name, owner.namespace)}
+    secret_problem = await _check_secrets(ctx.client, owner.namespace, tier.spec)
+    try:
+        applied = await apply_children(
+            ctx.client, owner, cache_tier_children(tier, ctx.tier_image, ctx.features)
+        )
+    except ChildConflict as exc:
+        return _status(body, cond.failed(TIER_CONDITIONS, "ChildConflict", str(exc)), **endpoint)
+    statefulset = applied[("StatefulSet", owner.name)]
+    ready = secret_problem or cond.tier_ready(statefulset)
+    desired, ready_replicas, _ = cond.rollout(statefulset, "readyReplicas")
+    return _status(body, [ready], **endpoint, replicas=desired, readyReplicas=ready_replicas)
+
+
+async def reconcile_model_recipe(ctx: Context, body: Mapping[str, Any]) -> Obj:
+    """Bring a ModelRecipe's children to their desired state; return its new status."""
+    try:
+        recipe = parse_model_recipe(body)
+    except SpecError as exc:
+        return _status(body, cond.failed(RECIPE_CONDITIONS, "InvalidSpec", str(exc)))
+    owner = recipe.owner
+    facts: Obj = {
+        "tier": recipe.tier_name,
+        "tierEndpoint": tier_endpoint(recipe.tier_name, owner.namespace),
+        "endpoint": engine_endpoint(owner.name, owner.namespace),
+    }
+    if recipe.inline_tier is None:
+        await _delete_inline_tier(ctx.client, owner)
+        cache_tier = await ctx.client.get(CACHE_TIER, owner.namespace, recipe.tier_name)
+    else:
+        cache_tier = None  # applied below, with the other children
+    tier_auth = _tier_auth(recipe.inline_tier if cache_tier is None else cache_tier.get("spec"))
+    try:
+        applied = await apply_children(ctx.client, owner, model_recipe_children(recipe, tier_auth))
+    except ChildConflict as exc:
+        return _status(body, cond.failed(RECIPE_CONDITIONS, "ChildConflict", str(exc)), **facts)
+    cache_tier = applied.get(("CacheTier", recipe.tier_name), cache_tier)
+    deployment = applied[("Deployment", owner.name)]
+    tier_ready = cond.tier_ready_for_recipe(recipe.tier_name, cache_tier)
+    engine_ready = cond.engine_ready(deployment)
+    desired, available, _ = cond.rollout(deployment, "availableReplicas")
+    return _status(
+        body,
+        [tier_ready, engine_ready, cond.all_ready([tier_ready, engine_ready])],
+        **facts, replicas=desired, availableReplicas=available,
+    )  # fmt: skip
+
+
+async def apply_children(
+    client: KubeClient, owner: Owner, children: Sequence[Obj]
+) -> dict[tuple[str, str], Obj]:
+    """Server-side apply each child; the applied objects by (kind, name).
+
+    A child whose name is taken by an object this owner does not control raises
+    ``ChildConflict`` instead of being taken over.
+    """
+    applied = {}
+    for child in children:
+        kind, meta = kind_for(child), child["metadata"]
+        existing = await client.get(kind, meta["namespace"], meta["name"])
+        if existing is not None and not _controlled_by(existing, owner):
+            raise ChildConflict(child["kind"], meta["name"])
+        applied[(child["kind"], meta["name"])] = await _apply(client, kind, child)
+    return applied
+
+
+async def _apply(client: KubeClient, kind: Kind, child: Obj) -> Obj:
+    try:
+        return await client.apply(child)
+    except Invalid:
+        if child["kind"] != "StatefulSet":
+            raise
+        # A change to an immutable StatefulSet field (the disk's volume claim template):
+        # replace the StatefulSet and keep its pods and volumes, which the new one adopts.
+        meta = child["metadata"]
+        logger.info(
+            "replacing StatefulSet %s/%s to change an immutable field",
+            meta["namespace"],
+            meta["name"],
+        )
+        await client.delete(kind, meta["namespace"], meta["name"], propagation="Orphan")
+        return await client.apply(child)
+
+
+def _controlled_by(obj: Mapping[str, Any], owner: Owner) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == owner.uid and ref.get("controller") for ref in refs)
+
+
+async def _check_secrets(client: KubeClient, namespace: str, spec: TierSpec) -> Condition | None:
+    """A ``Ready`` failure for the first Secret key the tier needs and cannot find."""
+    for field, ref in spec.secret_refs():
+        secret = await client.get(SECRET, namespace, ref.name)
+        if secret is None:
+            return Condition(
+                "Ready", cond.FALSE, "SecretNotFound",
+                f"{field}: Secret {ref.name!r} does not exist in this namespace",
+            )  # fmt: skip
+        if ref.key not in (secret.get("data") or {}) and ref.key not in (
+            secret.get("stringData") or {}
+        ):
+            return Condition(
+                "Ready", cond.FALSE, "SecretKeyNotFound",
+                f"{field}: Secret {ref.name!r} has no key {ref.key!r}",
+            )  # fmt: skip
+    return None
+
+
+def _tier_auth(tier_spec: Mapping[str, Any] | None) -> SecretKeyRef | None:
+    if tier_spec is None:
+        return None
+    try:
+        return parse_tier_spec(tier_spec, "spec").auth
+    except SpecError:
+        return None  # the CacheTier reports its own invalid spec
+
+
+async def _delete_inline_tier(client: KubeClient, owner: Owner) -> None:
+    """Drop the dedicated CacheTier of a recipe that switched from inline to ref."""
+    name = owner.name + INLINE_TIER_SUFFIX
+    existing = await client.get(CACHE_TIER, owner.namespace, name)
+    if existing is not None and _controlled_by(existing, owner):
+        logger.info("deleting the inline CacheTier %s/%s", owner.namespace, name)
+        await client.delete(CACHE_TIER, owner.namespace, name)
+
+
+def _status(body: Mapping[str, Any], conditions: Sequence[Condition], **facts: Any) -> Obj:
+    meta = body.get("metadata", {})
+    generation = int(meta.get("generation", 0))
+    previous = (body.get("status") or {}).get("conditions") or []
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "observedGeneration": generation,
+        **facts,
+        "conditions": cond.to_status(conditions, previous, generation, now),
+    }

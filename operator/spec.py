@@ -1,0 +1,365 @@
+"""Typed specs of the custom resources, parsed from their bodies.
+
+The API server validates and defaults every field its CRD schema can express
+(``crds/*.yaml``); ``parse_cache_tier`` and ``parse_model_recipe`` apply the same
+defaults (so plain dicts work in tests) and check what the schema cannot: the
+combinations of fields. A ``SpecError`` names the field and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.operator.errors import SpecError
+from kvtier.operator.quantity import parse_bytes
+
+GROUP = "kvtier.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ENGINE_KINDS = ("vllm",)
+MODALITIES = ("text", "image", "audio", "video")
+CODECS = ("none", "zstd")
+SALT_POLICIES = ("request", "namespace", "none")
+GPU_RESOURCE = "nvidia.com/gpu"
+MAX_NAME_LENGTH = 40
+INLINE_TIER_SUFFIX = "-tier"
+
+# Defaults, identical to the CRD schemas' (a test compares them).
+DEFAULT_RAM = "2Gi"
+DEFAULT_DISK_SIZE = "20Gi"
+DEFAULT_REVISION = "main"
+DEFAULT_CHUNK_SIZE = 256
+
+Body = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Identity of a custom resource, for its children's names and owner references."""
+
+    kind: str
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Container resources as given (quantities stay strings or integers)."""
+
+    requests: Mapping[str, int | str]
+    limits: Mapping[str, int | str]
+
+
+@dataclass(frozen=True)
+class Disk:
+    enabled: bool
+    size: int | str  # as written, for the PersistentVolumeClaim
+    size_bytes: int
+    storage_class: str | None
+
+
+@dataclass(frozen=True)
+class Redis:
+    url: str
+    cluster: bool
+    password: SecretKeyRef | None
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A CacheTier's spec (also ModelRecipe's spec.tier.inline)."""
+
+    replicas: int
+    image: str | None
+    ram_bytes: int
+    disk: Disk
+    redis: Redis | None
+    auth: SecretKeyRef | None
+    metrics: bool
+    resources: Resources | None
+
+    def secret_refs(self) -> list[tuple[str, SecretKeyRef]]:
+        """Every Secret key the tier needs, with the field that names it."""
+        refs: list[tuple[str, SecretKeyRef]] = []
+        if self.redis is not None and self.redis.password is not None:
+            refs.append(("spec.redis.passwordSecretRef", self.redis.password))
+        if self.auth is not None:
+            refs.append(("spec.authSecretRef", self.auth))
+        return refs
+
+
+@dataclass(frozen=True)
+class CacheTier:
+    owner: Owner
+    spec: TierSpec
+
+
+@dataclass(frozen=True)
+class Model:
+    repo: str
+    revision: str
+    architecture: str
+    modalities: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Engine:
+    kind: str
+    image: str
+    args: tuple[str, ...]
+    replicas: int
+    gpus: int
+    resources: Resources | None
+
+
+@dataclass(frozen=True)
+class Cache:
+    chunk_size: int
+    codec: str
+    salt_policy: str
+    encoder_cache: bool
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    owner: Owner
+    model: Model
+    engine: Engine
+    cache: Cache
+    tier_name: str  # the referenced CacheTier, or the dedicated one made from inline
+    inline_tier: Mapping[str, Any] | None  # spec.tier.inline as written, for the child CacheTier
+
+
+def parse_cache_tier(body: Body) -> CacheTier:
+    """Parse a CacheTier body; SpecError names the first invalid field."""
+    return CacheTier(owner=_owner(body), spec=parse_tier_spec(_object(body, "spec"), "spec"))
+
+
+def parse_model_recipe(body: Body) -> ModelRecipe:
+    """Parse a ModelRecipe body; SpecError names the first invalid field."""
+    owner = _owner(body)
+    spec = _object(body, "spec")
+    model = _parse_model(_object(spec, "model", "spec.model"))
+    engine = _parse_engine(_object(spec, "engine", "spec.engine"))
+    cache = _parse_cache(_object(spec, "cache", "spec.cache", required=False))
+    if cache.encoder_cache and set(model.modalities) == {"text"}:
+        raise SpecError(
+            "spec.cache.encoderCache",
+            "the encoder cache needs a multimodal model: add image, audio or video to "
+            "spec.model.modalities, or set encoderCache to false",
+        )
+    tier = _object(spec, "tier", "spec.tier")
+    has_ref, has_inline = "ref" in tier, "inline" in tier
+    if has_ref == has_inline:
+        raise SpecError(
+            "spec.tier",
+            "set exactly one of ref (a shared CacheTier) and inline (a dedicated tier)",
+        )
+    inline: Mapping[str, Any] | None = None
+    if has_ref:
+        tier_name = _str(_object(tier, "ref", "spec.tier.ref"), "name", "spec.tier.ref.name")
+    else:
+        inline = _object(tier, "inline", "spec.tier.inline")
+        parse_tier_spec(inline, "spec.tier.inline")  # validate now, reconciled as its own CacheTier
+        tier_name = owner.name + INLINE_TIER_SUFFIX
+    return ModelRecipe(owner, model, engine, cache, tier_name, inline)
+
+
+def parse_tier_spec(spec: Body, path: str) -> TierSpec:
+    replicas = _int(spec, "replicas", f"{path}.replicas", default=1, minimum=1)
+    image = spec.get("image")
+    if image is not None and not (isinstance(image, str) and image):
+        raise SpecError(f"{path}.image", "expected a container image reference")
+    ram_bytes = _bytes(spec.get("ramBytes", DEFAULT_RAM), f"{path}.ramBytes")
+    disk_spec = _object(spec, "disk", f"{path}.disk", required=False)
+    disk_size = disk_spec.get("size", DEFAULT_DISK_SIZE)
+    disk = Disk(
+        enabled=_bool(disk_spec, "enabled", f"{path}.disk.enabled", default=True),
+        size=disk_size,
+        size_bytes=_bytes(disk_size, f"{path}.disk.size"),
+        storage_class=_optional_str(disk_spec, "storageClassName", f"{path}.disk.storageClassName"),
+    )
+    redis: Redis | None = None
+    if "redis" in spec:
+        redis_spec = _object(spec, "redis", f"{path}.redis")
+        url = _str(redis_spec, "url", f"{path}.redis.url")
+        if not url.startswith(("redis://", "rediss://")):
+            raise SpecError(
+                f"{path}.redis.url", f"expected a redis:// or rediss:// URL, got {url!r}"
+            )
+        redis = Redis(
+            url=url,
+            cluster=_bool(redis_spec, "cluster", f"{path}.redis.cluster", default=False),
+            password=_secret_ref(redis_spec, "passwordSecretRef", f"{path}.redis", "password"),
+        )
+    metrics = _object(spec, "metrics", f"{path}.metrics", required=False)
+    return TierSpec(
+        replicas=replicas,
+        image=image,
+        ram_bytes=ram_bytes,
+        disk=disk,
+        redis=redis,
+        auth=_secret_ref(spec, "authSecretRef", path, "token"),
+        metrics=_bool(metrics, "enabled", f"{path}.metrics.enabled", default=True),
+        resources=_resources(spec, f"{path}.resources"),
+    )
+
+
+def _parse_model(spec: Body) -> Model:
+    modalities = spec.get("modalities", ["text"])
+    if not isinstance(modalities, list) or not modalities:
+        raise SpecError("spec.model.modalities", f"expected a non-empty list of {MODALITIES}")
+    for modality in modalities:
+        if modality not in MODALITIES:
+            raise SpecError(
+                "spec.model.modalities", f"unknown modality {modality!r}: use {MODALITIES}"
+            )
+    return Model(
+        repo=_str(spec, "repo", "spec.model.repo"),
+        revision=_str(spec, "revision", "spec.model.revision", default=DEFAULT_REVISION),
+        architecture=_str(spec, "architecture", "spec.model.architecture"),
+        modalities=tuple(modalities),
+    )
+
+
+def _parse_engine(spec: Body) -> Engine:
+    kind = _str(spec, "kind", "spec.engine.kind", default="vllm")
+    if kind not in ENGINE_KINDS:
+        raise SpecError(
+            "spec.engine.kind", f"engine {kind!r} is not supported: use one of {ENGINE_KINDS}"
+        )
+    args = spec.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
+        raise SpecError("spec.engine.args", "expected a list of strings")
+    resources = _resources(spec, "spec.engine.resources")
+    if resources is not None and (
+        GPU_RESOURCE in resources.requests or GPU_RESOURCE in resources.limits
+    ):
+        raise SpecError(
+            "spec.engine.resources", f"set GPUs with spec.engine.gpus, not {GPU_RESOURCE}"
+        )
+    return Engine(
+        kind=kind,
+        image=_str(spec, "image", "spec.engine.image"),
+        args=tuple(args),
+        replicas=_int(spec, "replicas", "spec.engine.replicas", default=1, minimum=0),
+        gpus=_int(spec, "gpus", "spec.engine.gpus", default=1, minimum=0),
+        resources=resources,
+    )
+
+
+def _parse_cache(spec: Body) -> Cache:
+    chunk_size = _int(
+        spec, "chunkSize", "spec.cache.chunkSize", default=DEFAULT_CHUNK_SIZE, minimum=16
+    )
+    if chunk_size % 16:
+        raise SpecError("spec.cache.chunkSize", f"expected a multiple of 16, got {chunk_size}")
+    return Cache(
+        chunk_size=chunk_size,
+        codec=_choice(spec, "codec", "spec.cache.codec", CODECS),
+        salt_policy=_choice(spec, "saltPolicy", "spec.cache.saltPolicy", SALT_POLICIES),
+        encoder_cache=_bool(spec, "encoderCache", "spec.cache.encoderCache", default=False),
+    )
+
+
+def _owner(body: Body) -> Owner:
+    meta = _object(body, "metadata")
+    name = _str(meta, "name", "metadata.name")
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError("metadata.name", f"at most {MAX_NAME_LENGTH} characters, got {len(name)}")
+    return Owner(
+        kind=_str(body, "kind", "kind"),
+        name=name,
+        namespace=_str(meta, "namespace", "metadata.namespace"),
+        uid=_str(meta, "uid", "metadata.uid"),
+        generation=_int(meta, "generation", "metadata.generation", default=1, minimum=0),
+    )
+
+
+def _object(parent: Body, key: str, path: str | None = None, *, required: bool = True) -> Body:
+    value = parent.get(key)
+    if value is None:
+        if required:
+            raise SpecError(path or key, "required")
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(path or key, f"expected an object, got {type(value).__name__}")
+    return value
+
+
+def _str(parent: Body, key: str, path: str, *, default: str | None = None) -> str:
+    value = parent.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise SpecError(path, "required" if value is None else "expected a non-empty string")
+    return value
+
+
+def _optional_str(parent: Body, key: str, path: str) -> str | None:
+    return _str(parent, key, path) if key in parent else None
+
+
+def _int(parent: Body, key: str, path: str, *, default: int, minimum: int) -> int:
+    value = parent.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(path, f"expected an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(path, f"expected at least {minimum}, got {value}")
+    return value
+
+
+def _bool(parent: Body, key: str, path: str, *, default: bool) -> bool:
+    value = parent.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(path, f"expected true or false, got {value!r}")
+    return value
+
+
+def _choice(parent: Body, key: str, path: str, choices: tuple[str, ...]) -> str:
+    value = parent.get(key, choices[0])
+    if value not in choices:
+        raise SpecError(path, f"expected one of {choices}, got {value!r}")
+    return str(value)
+
+
+def _bytes(value: object, path: str) -> int:
+    if not isinstance(value, int | str):
+        raise SpecError(path, f"expected a quantity such as 2Gi, got {value!r}")
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise SpecError(path, str(exc)) from exc
+
+
+def _secret_ref(parent: Body, key: str, path: str, default_key: str) -> SecretKeyRef | None:
+    if key not in parent:
+        return None
+    ref = _object(parent, key, f"{path}.{key}")
+    return SecretKeyRef(
+        name=_str(ref, "name", f"{path}.{key}.name"),
+        key=_str(ref, "key", f"{path}.{key}.key", default=default_key),
+    )
+
+
+def _resources(parent: Body, path: str) -> Resources | None:
+    if "resources" not in parent:
+        return None
+    spec = _object(parent, "resources", path)
+    parts: dict[str, dict[str, int | str]] = {}
+    for part in ("requests", "limits"):
+        values = _object(spec, part, f"{path}.{part}", required=False)
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise SpecError(f"{path}.{part}.{name}", f"expected a quantity, got {value!r}")
+        parts[part] = dict(values)
+    return Resources(requests=parts["requests"], limits=parts["limits"])
