@@ -15,9 +15,9 @@ failure, and the lookup is a miss.
 from __future__ import annotations
 
 import struct
-from typing_extensions import Buffer
 
 import xxhash
+from typing_extensions import Buffer
 
 MAGIC = b"KVTR"
 VERSION = 1

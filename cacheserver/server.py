@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
-
 from kvtier.cacheserver.disk import DiskTier
 from kvtier.cacheserver.metrics import ServerMetrics, TierCollector
 from kvtier.cacheserver.ram import RamTier
@@ -27,6 +26,7 @@ from kvtier.cacheserver.settings import Settings
 from kvtier.cacheserver.store import StorePolicy, TieredStore
 from kvtier.cacheserver.tiers import Tier
 from kvtier.proto import SERVICE_NAME, cache_pb2
+from prometheus_client import CollectorRegistry, start_http_server
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class RunningServer:
     settings: Settings
     server: grpc.aio.Server
     store: TieredStore
-    health: health.aio.HealthServicer
+    health: HealthServicer
     metrics: ServerMetrics
     port: int
     metrics_port: int = 0
@@ -75,7 +75,7 @@ async def build_tiers(settings: Settings) -> list[Tier]:
                 settings.redis_url,
                 password=settings.redis_password,
                 timeout_s=settings.redis_timeout_s,
-                ttl_s=settings.redis_ttl_s,
+                ttl_s=int(settings.redis_ttl_s),
             )
         )
     return tiers
@@ -105,7 +105,7 @@ async def start(settings: Settings, *, tenant_of: TenantOf = default_tenant) -> 
     server = grpc.aio.server(options=grpc_options(settings))
     servicer = CacheServicer(store, settings, metrics, tenant_of)
     server.add_generic_rpc_handlers((servicer.handler(),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
-
 from kvtier.cacheserver.errors import InvalidRequest, LimitExceeded, RequestError
 from kvtier.cacheserver.metrics import ServerMetrics
 from kvtier.cacheserver.namespace import DEFAULT_TENANT, scoped
@@ -71,7 +70,7 @@ class CacheServicer:
     def _no_unknown_fields(message: Message) -> None:
         unknown = UnknownFieldSet(message)
         if len(unknown):
-            numbers = sorted({f.field_number for f in unknown})
+            numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
             raise InvalidRequest(
                 f"{type(message).__name__} has fields this server does not know (numbers {numbers}): "
                 "the client speaks a newer kvtier.v1 contract; upgrade the server"
@@ -229,7 +228,7 @@ class CacheServicer:
 
     # -- registration ------------------------------------------------------------------
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self) -> grpc.GenericRpcHandler[object, object]:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {

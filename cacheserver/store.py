@@ -22,6 +22,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from kvtier.cacheserver.errors import TierFailure
@@ -145,7 +146,7 @@ class TieredStore:
             todo = [i for i in range(first_missing, len(keys)) if not present[i]]
             pending = self._behind.get(tier.name)
             try:
-                found = await self._call(tier, "contains", lambda t=tier, ks=[keys[i] for i in todo]: t.contains(ks))
+                found = await self._call(tier, "contains", partial(tier.contains, [keys[i] for i in todo]))
             except _Skip:
                 continue
             for i, hit in zip(todo, found, strict=True):
@@ -156,7 +157,7 @@ class TieredStore:
     async def get(self, key: bytes) -> bytes | memoryview | None:
         for depth, tier in enumerate(self.tiers):
             try:
-                value = await self._call(tier, "get", lambda t=tier: t.get(key))
+                value: bytes | memoryview | None = await self._call(tier, "get", partial(tier.get, key))
             except _Skip:
                 value = None
             if value is None:
@@ -173,16 +174,12 @@ class TieredStore:
         """Stores a value; False when no tier would take it (larger than every tier)."""
         top = self.tiers[0]
         stored = False
-        try:
-            stored = await self._call(top, "put", lambda: top.put(key, value))
-        except _Skip:
-            pass
+        with contextlib.suppress(_Skip):
+            stored = await self._call(top, "put", partial(top.put, key, value))
         for tier in self.tiers[1:]:
             if self.policy.write_through:
-                try:
-                    stored = await self._call(tier, "put", lambda t=tier: t.put(key, value)) or stored
-                except _Skip:
-                    pass
+                with contextlib.suppress(_Skip):
+                    stored = await self._call(tier, "put", partial(tier.put, key, value)) or stored
             elif self._healthy[tier.name]:
                 if self._behind[tier.name].offer(key, value):
                     stored = True
@@ -199,7 +196,7 @@ class TieredStore:
                 for key in keys:
                     wb.discard(key)
             try:
-                n = await self._call(tier, "delete", lambda t=tier: t.delete(keys))
+                n = await self._call(tier, "delete", partial(tier.delete, keys))
             except _Skip:
                 continue
             deleted = max(deleted, n)
@@ -240,7 +237,7 @@ class TieredStore:
         for tier in self.tiers[:depth]:
             if tier is self.tiers[0]:
                 try:
-                    if await self._call(tier, "put", lambda t=tier: t.put(key, value)):
+                    if await self._call(tier, "put", partial(tier.put, key, value)):
                         self.metrics.promotions.labels(tier.name).inc()
                 except _Skip:
                     pass
@@ -259,7 +256,7 @@ class TieredStore:
                 continue
             key, value = item
             with contextlib.suppress(_Skip):
-                await self._call(tier, "put", lambda k=key, v=value: tier.put(k, v))
+                await self._call(tier, "put", partial(tier.put, key, value))
 
     async def _probe_loop(self) -> None:
         while True:

@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
-from typing_extensions import Buffer
-
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2, wire
+from typing_extensions import Buffer
 
 DEFAULT_FRAME_BYTES = 4 << 20
 _UNAVAILABLE = {
@@ -171,7 +170,7 @@ class TierClient:
     def _frames(self, items: Iterable[tuple[bytes, Value]]) -> Iterator[bytes]:
         limit = self.frame_bytes - wire.FRAME_OVERHEAD
         for key, value in items:
-            pieces = value if isinstance(value, list | tuple) else [value]
+            pieces: Sequence[Buffer] = value if isinstance(value, list | tuple) else [value]  # type: ignore[list-item]
             parts = [memoryview(p).cast("B") for p in pieces]
             total = sum(p.nbytes for p in parts)
             offset = 0
@@ -206,7 +205,7 @@ class _errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
             code = exc.code()
             message = f"{self.op}: {code.name}: {exc.details()}"
@@ -215,4 +214,3 @@ class _errors:
             raise TierRejected(message) from exc
         if isinstance(exc, grpc.RpcError):
             raise TierUnavailable(f"{self.op}: {exc}") from exc
-        return False

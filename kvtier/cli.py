@@ -52,11 +52,11 @@ def _server(argv: Sequence[str]) -> int:
 
 def _operator(argv: Sequence[str]) -> int:
     try:
-        from kvtier.operator.main import run
+        from kvtier.operator.main import run  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:  # the operator extra is not installed
         print(f"kvtier operator: {exc}; install with: pip install 'kvtier[operator]'", file=sys.stderr)
         return 1
-    return run(list(argv))
+    return int(run(list(argv)))
 
 
 def _bench(argv: Sequence[str]) -> int:

@@ -14,8 +14,9 @@ gets a clear INVALID_ARGUMENT instead of a silently ignored field.
 
 from __future__ import annotations
 
-from typing_extensions import Buffer
 from dataclasses import dataclass
+
+from typing_extensions import Buffer
 
 _VARINT = 0
 _LEN = 2
@@ -111,7 +112,7 @@ class GetFrame:
 
 
 def encode_get_frame(index: int, found: bool, total_length: int, offset: int, data: Buffer) -> bytes:
-    parts = []
+    parts: list[Buffer] = []
     if index:
         parts += [_T_GET_INDEX, _varint(index)]
     if found:
@@ -123,7 +124,7 @@ def encode_get_frame(index: int, found: bool, total_length: int, offset: int, da
     n = memoryview(data).nbytes
     if n:
         parts += [_T_DATA, _varint(n), data]
-    return b"".join(parts)  # type: ignore[arg-type]  # join takes any buffer
+    return b"".join(parts)
 
 
 _GET_FIELDS = {1: _VARINT, 2: _VARINT, 3: _VARINT, 4: _VARINT, 15: _LEN}
@@ -134,11 +135,7 @@ def decode_get_frame(buf: Buffer) -> GetFrame:
     data = f.get(15, memoryview(b""))
     assert isinstance(data, memoryview)
     return GetFrame(
-        index=int(f.get(1, 0)),  # type: ignore[arg-type]
-        found=bool(f.get(2, 0)),
-        total_length=int(f.get(3, 0)),  # type: ignore[arg-type]
-        offset=int(f.get(4, 0)),  # type: ignore[arg-type]
-        data=data,
+        index=_int(f, 1), found=bool(_int(f, 2)), total_length=_int(f, 3), offset=_int(f, 4), data=data
     )
 
 
@@ -165,7 +162,7 @@ def encode_put_frame(key: bytes, total_length: int, offset: int, *data: Buffer) 
     n = sum(memoryview(d).nbytes for d in data)
     if n:
         parts += [_T_DATA, _varint(n), *data]
-    return b"".join(parts)  # type: ignore[arg-type]
+    return b"".join(parts)
 
 
 _PUT_FIELDS = {1: _LEN, 2: _VARINT, 3: _VARINT, 15: _LEN}
@@ -176,12 +173,13 @@ def decode_put_frame(buf: Buffer) -> PutFrame:
     key = f.get(1, memoryview(b""))
     data = f.get(15, memoryview(b""))
     assert isinstance(key, memoryview) and isinstance(data, memoryview)
-    return PutFrame(
-        key=bytes(key),
-        total_length=int(f.get(2, 0)),  # type: ignore[arg-type]
-        offset=int(f.get(3, 0)),  # type: ignore[arg-type]
-        data=data,
-    )
+    return PutFrame(key=bytes(key), total_length=_int(f, 2), offset=_int(f, 3), data=data)
+
+
+def _int(fields: dict[int, int | memoryview], number: int) -> int:
+    v = fields.get(number, 0)
+    assert isinstance(v, int)
+    return v
 
 
 def identity(b: bytes) -> bytes:
