@@ -1,0 +1,116 @@
+"""Benchmark: kvtier's chunk keys against vLLM's own block hashes, same prompt, one run.
+
+The prompt: 32,768 token ids with four 1,024-token images (Qwen2-VL placeholders,
+64-hex identifiers). kvtier hashes it into 128 chunks of 256 tokens; vLLM into
+blocks of the same block size (16) with its default sha256, and, for the same
+granularity, into 256-token blocks. Every row starts from a Python list of token ids
+and computes the whole chain, nothing reused. Only ratios within one run mean
+anything on a shared machine.
+
+Run: ``.venv/bin/python -m bench.keys`` (results: docs/benchmarks.md, "Keys").
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import timeit
+from array import array
+from collections.abc import Callable
+from functools import partial
+
+from kvtier.connector.keys import KeySpec, MMItem, chunk_keys
+
+PROMPT_TOKENS = 32_768
+IMAGE_TOKENS = 1_024
+IMAGE_OFFSETS = (1_000, 9_000, 17_000, 25_000)
+PLACEHOLDER = 151_655
+BLOCK_SIZE = 16
+
+
+def make_prompt() -> tuple[list[int], list[MMItem]]:
+    rng = random.Random(0)
+    tokens = [rng.randrange(151_000) for _ in range(PROMPT_TOKENS)]
+    items = []
+    for offset in IMAGE_OFFSETS:
+        tokens[offset : offset + IMAGE_TOKENS] = [PLACEHOLDER] * IMAGE_TOKENS
+        items.append(MMItem(rng.randbytes(32).hex(), offset, IMAGE_TOKENS))
+    return tokens, items
+
+
+def measure(rows: list[tuple[str, Callable[[], object]]], repeat: int) -> list[list[float]]:
+    """Microseconds per call of each row; rows take turns, so load spikes hit them all."""
+    numbers = []
+    for _, run in rows:
+        run()  # warm up (e.g. each image's placeholder values, cached as in a live engine)
+        numbers.append(max(1, int(0.02 / max(timeit.timeit(run, number=1), 1e-6))))
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(repeat):
+        for (_, run), number, row_times in zip(rows, numbers, times, strict=True):
+            row_times.append(timeit.timeit(run, number=number) / number * 1e6)
+    return times
+
+
+def vllm_hasher(tokens: list[int], items: list[MMItem], block_size: int) -> Callable[[], object]:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=item.identifier,
+            mm_position=PlaceholderRange(offset=item.offset, length=item.length),
+            mm_hash=item.identifier,
+        )
+        for item in items
+    ]
+    hasher = get_request_block_hasher(block_size, sha256)
+    request = Request("bench", tokens, SamplingParams(), None, mm_features=features)
+    return lambda: hasher(request)  # every block: the request holds no block hashes yet
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
+    args = parser.parse_args()
+
+    tokens, items = make_prompt()
+    packed = array("I", tokens)
+    rows: list[tuple[str, Callable[[], object]]] = []
+    for algo in ("sha256", "xxh3_128"):
+        spec = KeySpec("bench/model", block_size=BLOCK_SIZE, hash_algo=algo)
+        rows += [
+            (f"kvtier chunk_keys, {algo}", partial(chunk_keys, tokens, items, spec)),
+            (
+                f"kvtier chunk_keys, {algo}, tokens given packed",
+                partial(chunk_keys, packed, items, spec),
+            ),
+        ]
+    rows.append(
+        ("packing the token list alone (array.fromlist)", lambda: array("I").fromlist(tokens))
+    )
+    if not args.no_vllm:
+        for block_size in (BLOCK_SIZE, 256):
+            name = f"vLLM block hasher, sha256, block {block_size}"
+            rows.append((name, vllm_hasher(tokens, items, block_size)))
+    times = measure(rows, args.repeat)
+    baseline = statistics.median(times[0])
+    print(
+        f"{PROMPT_TOKENS} tokens, {len(items)} images x {IMAGE_TOKENS} tokens, {args.repeat} rounds"
+    )
+    print("| what | median µs | best µs | median / first row |")
+    print("|---|---:|---:|---:|")
+    for (name, _), row_times in zip(rows, times, strict=True):
+        median = statistics.median(row_times)
+        print(f"| {name} | {median:.0f} | {min(row_times):.0f} | {median / baseline:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

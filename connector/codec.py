@@ -1,0 +1,186 @@
+"""Stored chunks: a small self-describing header, then the payload (docs/keys.md).
+
+Header, format version 1, little-endian::
+
+    offset  size  field
+    0       4     magic b"KVTC"
+    4       1     format version (1)
+    5       1     codec id (CODEC_IDS)
+    6       2     header length in bytes, this table included
+    8       16    key fingerprint (keys.key_fingerprint)
+    24      8     payload length in bytes
+    32      1+n   dtype: u8 length + ASCII name (DTYPE_SIZES)
+    ..      1+8d  shape: u8 ndim + ndim x u64
+    ..      8     checksum: xxh3_64 of the header bytes before it, then the payload
+
+Neither direction copies the payload: ``encode_chunk`` returns the header and a
+view of the caller's buffer (send them as frames), ``decode_chunk`` returns a view
+into the blob. Every verification failure raises ``ChunkDecodeError``: a miss.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Final
+
+import xxhash
+from kvtier.connector.errors import ChunkDecodeError, ConfigError
+from kvtier.connector.keys import FINGERPRINT_SIZE, key_fingerprint
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "CODEC_IDS",
+    "DTYPE_SIZES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "DecodedChunk",
+    "decode_chunk",
+    "encode_chunk",
+    "encode_chunk_bytes",
+]
+
+MAGIC: Final = b"KVTC"
+FORMAT_VERSION: Final = 1
+
+CODEC_IDS: Final[Mapping[str, int]] = MappingProxyType({"raw": 0})
+"""Codec name -> id in the header. Reserved for later, recorded per recipe: 1-15 lossless
+(1 zstd, 2 lz4), 16-31 lossy (16 fp8_e4m3, 17 int8). ``raw`` stores the bytes as given."""
+
+DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        "bfloat16": 2,
+        "float16": 2,
+        "float32": 4,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "int8": 1,
+        "uint8": 1,
+    }
+)
+"""Accepted dtype names (torch's, without ``torch.``) and their item sizes in bytes."""
+
+_FIXED: Final = struct.Struct(f"<4sBBH{FINGERPRINT_SIZE}sQ")
+_CHECKSUM: Final = struct.Struct("<Q")
+_DIM: Final = struct.Struct("<Q")
+_MAX_NDIM: Final = 16
+_CODEC_NAMES: Final = {codec_id: name for name, codec_id in CODEC_IDS.items()}
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    """A verified chunk. ``payload`` is a view into the decoded blob, not a copy."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    payload: memoryview
+
+
+def encode_chunk(
+    key: bytes, payload: Buffer, *, dtype: str, shape: tuple[int, ...], codec: str = "raw"
+) -> list[Buffer]:
+    """The chunk as ``[header, payload view]``: write or send them in order, unjoined.
+
+    ``payload`` must be C-contiguous; it is not copied, so it must not change until the
+    frames are sent. Raises ``ConfigError`` for an unknown dtype or codec and
+    ``ValueError`` when the payload does not have ``shape`` x ``dtype`` bytes.
+    """
+    if codec not in CODEC_IDS:
+        raise ConfigError(f"codec must be one of {', '.join(CODEC_IDS)}, got {codec!r}")
+    if dtype not in DTYPE_SIZES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_SIZES)}, got {dtype!r}")
+    if len(shape) > _MAX_NDIM or any(
+        isinstance(dim, bool) or not isinstance(dim, int) or dim < 0 for dim in shape
+    ):
+        raise ValueError(f"shape must be at most {_MAX_NDIM} ints >= 0, got {shape!r}")
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("payload must be a C-contiguous buffer")
+    data = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if codec == "raw" and data.nbytes != expected:
+        raise ValueError(
+            f"payload has {data.nbytes} bytes, but shape {shape} of {dtype} needs {expected}"
+        )
+    name = dtype.encode("ascii")
+    head = b"".join(
+        (
+            _FIXED.pack(
+                MAGIC,
+                FORMAT_VERSION,
+                CODEC_IDS[codec],
+                _FIXED.size + 1 + len(name) + 1 + _DIM.size * len(shape) + _CHECKSUM.size,
+                key_fingerprint(key),
+                data.nbytes,
+            ),
+            bytes((len(name),)),
+            name,
+            bytes((len(shape),)),
+            *(_DIM.pack(dim) for dim in shape),
+        )
+    )
+    checksum = xxhash.xxh3_64(head)
+    checksum.update(data)
+    return [head + _CHECKSUM.pack(checksum.intdigest()), data]
+
+
+def encode_chunk_bytes(
+    key: bytes, payload: Buffer, *, dtype: str, shape: tuple[int, ...], codec: str = "raw"
+) -> bytes:
+    """The chunk as one ``bytes`` (one copy of the payload); see ``encode_chunk``."""
+    return b"".join(encode_chunk(key, payload, dtype=dtype, shape=shape, codec=codec))
+
+
+def decode_chunk(key: bytes, blob: Buffer) -> DecodedChunk:
+    """Verify ``blob`` as the chunk stored under ``key`` and return its parts.
+
+    Raises ``ChunkDecodeError`` if the blob is truncated or too long, is not a kvtier
+    chunk, has an unknown format version or codec, belongs to another key, or fails
+    its checksum.
+    """
+    view = memoryview(blob)
+    data = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if data.nbytes < _FIXED.size:
+        raise ChunkDecodeError(f"chunk truncated: {data.nbytes} bytes, header needs more")
+    magic, version, codec_id, header_size, fingerprint, payload_size = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise ChunkDecodeError("not a kvtier chunk (bad magic)")
+    if version != FORMAT_VERSION:
+        raise ChunkDecodeError(f"unknown chunk format version {version}")
+    if codec_id not in _CODEC_NAMES:
+        raise ChunkDecodeError(f"unknown chunk codec id {codec_id}")
+    if fingerprint != key_fingerprint(key):
+        raise ChunkDecodeError("chunk belongs to another key (fingerprint mismatch)")
+    if header_size < _FIXED.size + 3 + _CHECKSUM.size or header_size + payload_size != data.nbytes:
+        raise ChunkDecodeError(
+            f"chunk length mismatch: {data.nbytes} bytes, header says "
+            f"{header_size} + {payload_size}"
+        )
+    body = header_size - _CHECKSUM.size
+    checksum = xxhash.xxh3_64(data[:body])
+    checksum.update(data[header_size:])
+    if checksum.intdigest() != _CHECKSUM.unpack_from(data, body)[0]:
+        raise ChunkDecodeError("chunk checksum mismatch")
+    dtype, shape = _parse_layout(data[_FIXED.size : body])
+    if _CODEC_NAMES[codec_id] == "raw" and payload_size != math.prod(shape) * DTYPE_SIZES[dtype]:
+        raise ChunkDecodeError(f"raw payload of {payload_size} bytes does not fit {shape} {dtype}")
+    return DecodedChunk(dtype, shape, _CODEC_NAMES[codec_id], data[header_size:])
+
+
+def _parse_layout(layout: memoryview) -> tuple[str, tuple[int, ...]]:
+    """The dtype and shape fields of a checksummed header."""
+    size = layout[0]
+    ndim_at = 1 + size
+    if ndim_at >= len(layout) or len(layout) != ndim_at + 1 + _DIM.size * layout[ndim_at]:
+        raise ChunkDecodeError("chunk header layout fields are malformed")
+    dtype = bytes(layout[1:ndim_at]).decode("ascii", "replace")
+    if dtype not in DTYPE_SIZES:
+        raise ChunkDecodeError(f"unknown chunk dtype {dtype!r}")
+    shape = tuple(dim for (dim,) in _DIM.iter_unpack(layout[ndim_at + 1 :]))
+    return dtype, shape
