@@ -1,0 +1,121 @@
+"""The connector's settings, parsed once from vLLM's ``kv_connector_extra_config``.
+
+Every key is optional except ``target``; unknown keys and bad values raise
+``ConfigError`` naming the key and what it accepts. The full table, with defaults,
+is in docs/connector.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Final
+
+from kvtier.connector.errors import ConfigError
+from kvtier.connector.keys import HASH_ALGOS
+
+SALT_POLICIES: Final = ("request", "none", "required")
+"""``request``: a request's ``cache_salt`` (if any) goes into its keys; ``none``: salts are
+ignored, every request shares one cache; ``required``: requests without a salt are
+neither looked up nor saved (for tenants that must never share)."""
+
+_PREFIX: Final = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    target: str
+    """The tier's gRPC address, ``host:port``."""
+    chunk_size: int = 256
+    """Tokens per stored chunk; a multiple of the engine's KV block size."""
+    token: str | None = None
+    """Bearer token for the tier (or name an environment variable with ``token_env``)."""
+    model_id: str | None = None
+    """Model identity pinned in keys; default: the engine's ``--model`` (name or path)."""
+    lookup_timeout_s: float = 0.5
+    """Deadline of the scheduler's one ``Lookup`` per request (on the scheduling path)."""
+    load_timeout_s: float = 5.0
+    """Deadline of one request's chunk ``Get`` before its forward pass."""
+    save_timeout_s: float = 10.0
+    """Deadline of one background ``Put`` batch."""
+    save_queue_chunks: int = 64
+    """Chunks waiting for the background sender; more are dropped (and counted)."""
+    save_batch_chunks: int = 8
+    """Chunks sent per ``Put`` call."""
+    breaker_failures: int = 3
+    """Consecutive failed calls that open the circuit breaker."""
+    breaker_cooldown_s: float = 5.0
+    """Seconds an open breaker waits before letting one probe call through."""
+    salt_policy: str = "request"
+    """One of ``SALT_POLICIES``."""
+    hash_algo: str = "sha256"
+    """Key hash, one of ``kvtier.connector.keys.HASH_ALGOS``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or ":" not in self.target:
+            raise ConfigError(f"{_PREFIX}.target must be 'host:port', got {self.target!r}")
+        for name in ("chunk_size", "save_queue_chunks", "save_batch_chunks", "breaker_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{_PREFIX}.{name} must be an int >= 1, got {value!r}")
+        for name in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "breaker_cooldown_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ConfigError(
+                    f"{_PREFIX}.{name} must be a number of seconds > 0, got {value!r}"
+                )
+        if self.salt_policy not in SALT_POLICIES:
+            raise ConfigError(
+                f"{_PREFIX}.salt_policy must be one of {', '.join(SALT_POLICIES)}, "
+                f"got {self.salt_policy!r}"
+            )
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(
+                f"{_PREFIX}.hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+            )
+        for name in ("token", "model_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{_PREFIX}.{name} must be a non-empty string, got {value!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config`` (a JSON object)."""
+        values = dict(extra or {})
+        accepted = {f.name for f in fields(cls)} | {"token_env"}
+        unknown = sorted(set(values) - accepted)
+        if unknown:
+            raise ConfigError(
+                f"unknown {_PREFIX} key(s) {', '.join(map(repr, unknown))}; "
+                f"accepted: {', '.join(sorted(accepted))}"
+            )
+        if "target" not in values:
+            raise ConfigError(f"{_PREFIX}.target is required (the tier's 'host:port')")
+        token_env = values.pop("token_env", None)
+        if token_env is not None:
+            if "token" in values:
+                raise ConfigError(f"{_PREFIX}: give either token or token_env, not both")
+            if not isinstance(token_env, str) or not os.environ.get(token_env):
+                raise ConfigError(
+                    f"{_PREFIX}.token_env names an environment variable holding the tier "
+                    f"token; {token_env!r} is not set"
+                )
+            values["token"] = os.environ[token_env]
+        return cls(**values)
+
+    def check_block_size(self, block_size: int) -> None:
+        """``chunk_size`` must be a whole number of the engine's KV blocks."""
+        if self.chunk_size % block_size:
+            lower = max(block_size, self.chunk_size // block_size * block_size)
+            raise ConfigError(
+                f"{_PREFIX}.chunk_size={self.chunk_size} must be a multiple of the engine's "
+                f"KV block size {block_size} (--block-size); use e.g. {lower} or "
+                f"{lower + block_size}"
+            )

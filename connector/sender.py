@@ -1,0 +1,162 @@
+"""The background sender: saves chunks to the tier off the engine's thread.
+
+The engine thread only copies a chunk out of the KV cache and ``offer``s it; a
+daemon thread sends batches with ``Put``. The queue is bounded: when it is full
+(tier slow or down) new chunks are dropped and counted, never waited for. While
+the circuit breaker is open, dequeued batches are dropped too (``tier_down``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.errors import TierError
+from kvtier.connector.metrics import Recorder
+from typing_extensions import Buffer
+
+logger = logging.getLogger(__name__)
+
+
+class PutTier(Protocol):
+    def put(
+        self,
+        items: Iterable[tuple[bytes, Buffer | Sequence[Buffer]]],
+        *,
+        timeout_s: float | None = None,
+    ) -> int: ...
+
+    def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Save:
+    key: bytes
+    parts: Sequence[Buffer]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Delete:
+    key: bytes
+
+
+class SaveSender:
+    def __init__(
+        self,
+        tier: PutTier,
+        *,
+        capacity: int,
+        batch: int,
+        timeout_s: float,
+        breaker: CircuitBreaker,
+        recorder: Recorder,
+    ) -> None:
+        self._tier = tier
+        self._batch = batch
+        self._timeout_s = timeout_s
+        self._breaker = breaker
+        self._recorder = recorder
+        self._queue: queue.Queue[_Save | _Delete] = queue.Queue(maxsize=capacity)
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="kvtier-sender", daemon=True)
+        self._thread.start()
+
+    def has_room(self) -> bool:
+        return not self._queue.full()
+
+    def offer(self, key: bytes, parts: Sequence[Buffer], nbytes: int) -> bool:
+        """Queue a chunk for saving; False (and counted) when the queue is full."""
+        try:
+            self._idle.clear()
+            self._queue.put_nowait(_Save(key, parts, nbytes))
+        except queue.Full:
+            self._recorder.count("saves_dropped", label="queue_full")
+            return False
+        return True
+
+    def delete(self, key: bytes) -> None:
+        """Best-effort removal of a chunk that failed verification."""
+        try:
+            self._idle.clear()
+            self._queue.put_nowait(_Delete(key))
+        except queue.Full:
+            pass
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued so far was sent or dropped (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.empty() and self._idle.is_set():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self.flush(timeout_s)
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    # -- the sender thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._queue.empty():
+                    self._idle.set()
+                continue
+            jobs = [first]
+            while len(jobs) < self._batch:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._send([j for j in jobs if isinstance(j, _Save)])
+                self._delete([j.key for j in jobs if isinstance(j, _Delete)])
+            except Exception:
+                logger.exception("kvtier: the background sender failed a batch")
+            if self._queue.empty():
+                self._idle.set()
+
+    def _send(self, saves: list[_Save]) -> None:
+        if not saves:
+            return
+        if not self._breaker.allow():
+            self._recorder.count("saves_dropped", len(saves), label="tier_down")
+            return
+        started = time.perf_counter()
+        try:
+            self._tier.put(((s.key, s.parts) for s in saves), timeout_s=self._timeout_s)
+        except TierError as exc:
+            self._breaker.failure()
+            self._recorder.count("errors", label="save")
+            self._recorder.count("saves_dropped", len(saves), label="tier_down")
+            logger.warning("kvtier: Put of %d chunk(s) failed (%s)", len(saves), exc)
+            return
+        self._breaker.success()
+        self._recorder.observe("save_seconds", time.perf_counter() - started)
+        self._recorder.count("saved_chunks", len(saves))
+        self._recorder.count("saved_bytes", sum(s.nbytes for s in saves))
+
+    def _delete(self, keys: list[bytes]) -> None:
+        if not keys or not self._breaker.allow():
+            return
+        try:
+            self._tier.delete(keys, timeout_s=self._timeout_s)
+        except TierError as exc:
+            self._breaker.failure()
+            self._recorder.count("errors", label="delete")
+            logger.warning("kvtier: Delete failed (%s)", exc)
+            return
+        self._breaker.success()

@@ -1,0 +1,256 @@
+"""A real vLLM engine in its own process, driven over a pipe (JSON lines).
+
+``EngineProcess.start(model_dir, work_dir, extra_config=...)`` runs this file as a
+script with an in-process ``LLM`` (VLLM_ENABLE_V1_MULTIPROCESSING=0:
+starts in seconds) and the kvtier connector when ``extra_config`` is given. Each
+process is "another machine" to the others: they share only the tier.
+
+Images travel as recipes (``{"seed": n, "size": [w, h]}``), drawn in the engine
+process, so the parent needs no image library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240.0
+CALL_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    num_cached_tokens: int
+    num_prompt_tokens: int
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    def __init__(self, proc: subprocess.Popen[str], log: Path) -> None:
+        self.proc = proc
+        self.log = log
+
+    @classmethod
+    def start(
+        cls,
+        model: Path,
+        work_dir: Path,
+        *,
+        extra_config: dict[str, Any] | None = None,
+        kv_role: str = "kv_both",
+        multimodal: bool = False,
+        name: str = "engine",
+    ) -> EngineProcess:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "model": str(model),
+            "extra_config": extra_config,
+            "kv_role": kv_role,
+            "multimodal": multimodal,
+        }
+        env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CACHE_ROOT": str(work_dir.parent / "vllm-cache"),
+            "TMPDIR": str(work_dir),
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        log = work_dir / f"{name}.log"
+        with log.open("a") as err:
+            proc = subprocess.Popen(
+                # -P: the checkout's operator/ must not shadow the standard library's.
+                [sys.executable, "-P", __file__, json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=work_dir,
+                env=env,
+            )
+        engine = cls(proc, log)
+        engine._reply(START_TIMEOUT_S)  # "ready"
+        return engine
+
+    def generate(self, prompts: list[dict[str, Any]], max_tokens: int = 16) -> list[Output]:
+        reply = self.call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens})
+        return [Output(**o) for o in reply]
+
+    def call(self, message: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError as exc:
+            raise EngineError(f"engine died:\n{self._tail()}") from exc
+        return self._reply(timeout_s)
+
+    def stats(self) -> dict[str, float]:
+        """The connector's counters since start (worker and scheduler halves)."""
+        result: dict[str, float] = self.call({"cmd": "stats"})
+        return result
+
+    def flush(self) -> None:
+        """Wait until the connector's background sender has sent what it queued."""
+        self.call({"cmd": "flush"})
+
+    def _reply(self, timeout_s: float) -> Any:
+        out = self.proc.stdout
+        assert out is not None
+        line = _readline(out, self.proc, timeout_s)
+        if line is None:
+            self.kill()
+            raise EngineError(f"engine gave no answer in {timeout_s:.0f}s:\n{self._tail()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise EngineError(f"{reply['error']}\n{self._tail()}")
+        return reply["result"]
+
+    def _tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _readline(out: IO[str], proc: subprocess.Popen[str], timeout_s: float) -> str | None:
+    import selectors
+
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(out, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.5):
+                line = out.readline()
+                return line or None
+            if proc.poll() is not None:
+                return None
+    return None
+
+
+# -- the engine process ------------------------------------------------------------------
+
+
+def _image(recipe: dict[str, Any]) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    width, height = recipe.get("size", (224, 224))
+    rng = np.random.default_rng(recipe["seed"])
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _connector_stats() -> dict[str, float]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    worker = get_kv_transfer_group()
+    totals: dict[str, float] = dict(worker._recorder._totals)
+    for key, value in _scheduler_connector()._recorder._totals.items():
+        totals[key] = totals.get(key, 0) + value
+    return totals
+
+
+_LLM: Any = None
+
+
+def _scheduler_connector() -> Any:
+    return _LLM.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _serve(spec: dict[str, Any]) -> None:
+    global _LLM
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # vLLM's prints and logs go to the log file, replies to the parent
+
+    def reply(**message: Any) -> None:
+        proto.write(json.dumps(message) + "\n")
+        proto.flush()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "max_model_len": 4096,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "seed": 0,
+        "dtype": "bfloat16",
+    }
+    if spec["multimodal"]:
+        kwargs["limit_mm_per_prompt"] = {"image": 2, "video": 0}
+    if spec["extra_config"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.connector.vllm",
+            kv_role=spec["kv_role"],
+            kv_connector_extra_config=spec["extra_config"],
+        )
+    _LLM = LLM(**kwargs)
+    reply(result="ready")
+    for line in sys.stdin:
+        message = json.loads(line)
+        try:
+            cmd = message["cmd"]
+            if cmd == "generate":
+                params = SamplingParams(max_tokens=message["max_tokens"], temperature=0.0)
+                prompts = []
+                for p in message["prompts"]:
+                    prompt: dict[str, Any] = {"prompt": p["prompt"]}
+                    if p.get("images"):
+                        prompt["multi_modal_data"] = {"image": [_image(i) for i in p["images"]]}
+                    prompts.append(prompt)
+                outputs = _LLM.generate(prompts, params, use_tqdm=False)
+                reply(
+                    result=[
+                        {
+                            "token_ids": list(o.outputs[0].token_ids),
+                            "num_cached_tokens": int(o.num_cached_tokens or 0),
+                            "num_prompt_tokens": len(o.prompt_token_ids or ()),
+                        }
+                        for o in outputs
+                    ]
+                )
+            elif cmd == "stats":
+                reply(result=_connector_stats())
+            elif cmd == "flush":
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                reply(result=get_kv_transfer_group().worker.sender.flush(30.0))
+            else:
+                reply(error=f"unknown command {cmd!r}")
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            reply(error=f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]))
