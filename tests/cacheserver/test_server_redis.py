@@ -1,0 +1,99 @@
+"""The tier process with a real Redis below it: sharing, faults, recovery."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import redis
+from kvtier.connector.client import TierClient
+
+from tests.redisprocs import RedisServer
+from tests.tierproc import TierProcess
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_two_tier_processes_share_values_through_redis(
+    start_tier: Callable[..., TierProcess], redis_server: RedisServer
+) -> None:
+    a = start_tier("--redis-url", redis_server.url, "--disk-bytes", "0")
+    b = start_tier("--redis-url", redis_server.url, "--disk-bytes", "0")
+    data = os.urandom(300_000)
+    with TierClient(a.target) as ca:
+        ca.put([(b"shared", data)])
+    with TierClient(b.target) as cb:
+        assert _wait_for(lambda: cb.lookup([b"shared"]) == 1)
+        (got,) = cb.get([b"shared"])
+    assert got is not None and bytes(got) == data
+    assert b.metric("kvtier_tier_hits_total", tier="redis") == 1
+    assert b.metric("kvtier_tier_promotions_total", tier="ram") == 1
+
+
+def test_a_killed_redis_costs_misses_not_failed_calls_and_the_tier_recovers(
+    start_tier: Callable[..., TierProcess], redis_server: RedisServer
+) -> None:
+    tier = start_tier("--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms")
+    with TierClient(tier.target, timeout_s=5) as c:
+        c.put([(b"before", b"v0")])
+        redis_server.kill()
+        for i in range(20):  # load while Redis is gone: every call still answers
+            c.put([(b"during%d" % i, b"v")])
+            assert c.lookup([b"before", b"during%d" % i]) == 2  # RAM still has both
+            assert c.get([b"absent%d" % i]) == [None]
+        assert tier.metric("kvtier_tier_healthy", tier="redis") == 0
+        assert tier.metric("kvtier_tier_errors_total", tier="redis", op="put") >= 1 or tier.metric(
+            "kvtier_tier_errors_total", tier="redis", op="get"
+        ) >= 1
+        redis_server.restart()
+        assert _wait_for(lambda: tier.metric("kvtier_tier_healthy", tier="redis") == 1)
+        c.put([(b"after", b"v1")])
+    assert _wait_for(lambda: int(redis_server.cli("DBSIZE")) >= 1), "writes reach Redis again"
+    assert "redis tier failing" in tier.log.read_text()
+    assert "redis tier recovered" in tier.log.read_text()
+
+
+def test_a_frozen_redis_never_stalls_calls_past_the_tier_timeout(
+    start_tier: Callable[..., TierProcess], redis_server: RedisServer
+) -> None:
+    tier = start_tier(
+        "--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms", "--redis-timeout", "300ms"
+    )
+    with TierClient(tier.target, timeout_s=5) as c:
+        c.put([(b"k", b"v")])
+        redis_server.pause()
+        try:
+            start = time.monotonic()
+            for i in range(10):
+                c.put([(b"f%d" % i, b"v")])
+                assert c.get([b"miss%d" % i]) == [None]
+            assert time.monotonic() - start < 3.0, "only the first call may wait for the timeout"
+        finally:
+            redis_server.resume()
+        assert _wait_for(lambda: tier.metric("kvtier_tier_healthy", tier="redis") == 1)
+        assert c.lookup([b"k"]) == 1
+
+
+def test_a_corrupted_value_in_redis_is_never_served_and_is_counted(
+    start_tier: Callable[..., TierProcess], redis_server: RedisServer
+) -> None:
+    tier = start_tier("--redis-url", redis_server.url, "--disk-bytes", "0", "--write-policy", "write-through")
+    with TierClient(tier.target) as c:
+        c.put([(b"victim", os.urandom(10_000))])
+    tier.restart()  # empty RAM: the next read goes to Redis
+    r = redis.Redis.from_url(redis_server.url)
+    (name,) = r.keys("*")
+    r.setrange(name, 5000, b"garbage")
+    r.close()
+    with TierClient(tier.target) as c:
+        assert c.get([b"victim"]) == [None]
+        assert c.lookup([b"victim"]) == 0
+    assert tier.metric("kvtier_tier_verification_failures_total", tier="redis") == 1
