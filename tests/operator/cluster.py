@@ -1,0 +1,88 @@
+"""Helpers for tests against the real API server: waiting, and playing the kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from kvtier.operator.kube import KubeClient, kind_of
+
+T = TypeVar("T")
+POD = kind_of("v1", "Pod")
+DEPLOYMENT = kind_of("apps/v1", "Deployment")
+STATEFULSET = kind_of("apps/v1", "StatefulSet")
+SERVICE = kind_of("v1", "Service")
+CONFIGMAP = kind_of("v1", "ConfigMap")
+SECRET = kind_of("v1", "Secret")
+CACHE_TIER = kind_of("kvtier.io/v1alpha1", "CacheTier")
+MODEL_RECIPE = kind_of("kvtier.io/v1alpha1", "ModelRecipe")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]], *, timeout: float = 30, what: str = "a condition"
+) -> T:
+    """Poll ``probe`` until it returns something truthy; its value."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = await probe()
+        if last:
+            return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    """The status condition ``type_`` of ``obj`` ({} when absent)."""
+    conditions = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == type_), {})
+
+
+async def wait_for_condition(
+    kube: KubeClient, namespace: str, kind: str, name: str, type_: str, *,
+    status: str | None = None, reason: str | None = None, generation: int | None = None,
+) -> dict[str, Any]:
+    """Wait until the custom resource's condition has this status/reason; the object."""
+    resource = {"CacheTier": CACHE_TIER, "ModelRecipe": MODEL_RECIPE}[kind]
+
+    async def probe() -> dict[str, Any] | None:
+        obj = await kube.get(resource, namespace, name)
+        found = condition(obj, type_)
+        if obj is None or not found:
+            return None
+        if status is not None and found["status"] != status:
+            return None
+        if reason is not None and found.get("reason") != reason:
+            return None
+        if generation is not None and obj["status"].get("observedGeneration") != generation:
+            return None
+        return obj
+
+    return await eventually(probe, what=f"{kind} {name} {type_}={status} ({reason})")
+
+
+async def mark_pods_ready(kube: KubeClient, namespace: str, selector: str) -> int:
+    """Set every selected pod Running and Ready, as a kubelet would; how many there were."""
+    pods = await eventually(
+        lambda: kube.list(POD, namespace, selector), what=f"pods with {selector}"
+    )
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for pod in pods:
+        containers = [c["name"] for c in pod["spec"]["containers"]]
+        await kube.patch(POD, namespace, pod["metadata"]["name"], {"status": {
+            "phase": "Running",
+            "startTime": now,
+            "conditions": [
+                {"type": type_, "status": "True", "lastTransitionTime": now}
+                for type_ in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+            ],
+            "containerStatuses": [
+                {"name": name, "ready": True, "started": True, "restartCount": 0,
+                 "image": "test", "imageID": "", "state": {"running": {"startedAt": now}}}
+                for name in containers
+            ],
+        }}, sub="status")  # fmt: skip
+    return len(pods)

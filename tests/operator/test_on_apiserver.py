@@ -1,0 +1,299 @@
+"""Acceptance: the operator against a real kube-apiserver and kube-controller-manager (1.20.2).
+
+No kubelet runs: pods stay Pending unless a test marks them Ready the way a
+kubelet would (``mark_pods_ready``), which drives the StatefulSet and
+Deployment controllers' status fields, which drive the operator's conditions.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvtier.operator.errors import Invalid
+from kvtier.operator.kube import KubeClient
+from tests.operator.cluster import (
+    CACHE_TIER,
+    CONFIGMAP,
+    DEPLOYMENT,
+    MODEL_RECIPE,
+    SECRET,
+    SERVICE,
+    STATEFULSET,
+    condition,
+    eventually,
+    mark_pods_ready,
+    wait_for_condition,
+)
+from tests.operator.conftest import OperatorProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("operator")]
+
+ENGINE_IMAGE = "vllm/vllm-openai:test"
+
+
+def cache_tier(namespace: str, name: str = "shared", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvtier.io/v1alpha1",
+        "kind": "CacheTier",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+def model_recipe(namespace: str, name: str = "qwen", **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {
+            "repo": "Qwen/Qwen2.5-VL-3B-Instruct",
+            "architecture": "Qwen2_5_VLForConditionalGeneration",
+            "modalities": ["text", "image"],
+        },
+        "engine": {"image": ENGINE_IMAGE, "gpus": 0},
+        "tier": {"ref": {"name": "shared"}},
+        **overrides,
+    }
+    return {
+        "apiVersion": "kvtier.io/v1alpha1",
+        "kind": "ModelRecipe",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+async def test_crds_print_model_tier_ready_and_age_columns(kube: KubeClient, namespace: str) -> None:
+    await kube.create(model_recipe(namespace))
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "Ready")
+    table = await kube.request(
+        "GET", MODEL_RECIPE.path(namespace), accept="application/json;as=Table;v=v1;g=meta.k8s.io"
+    )
+    columns = [column["name"] for column in table["columnDefinitions"]]
+    assert columns == ["Name", "Model", "Tier", "Ready", "Reason", "Age"]
+    (row,) = table["rows"]
+    assert row["cells"][:4] == ["qwen", "Qwen/Qwen2.5-VL-3B-Instruct", "shared", "False"]
+
+
+async def test_a_cache_tier_gets_its_statefulset_services_and_settings(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace, ramBytes="1Gi", disk={"size": "10Gi"}))
+    statefulset = await eventually(lambda: kube.get(STATEFULSET, namespace, "shared"))
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvtier", "server"]
+    assert container["image"] == "kvtier:test"
+    claim = statefulset["spec"]["volumeClaimTemplates"][0]["spec"]
+    assert claim["resources"]["requests"]["storage"] == "10Gi"
+    settings = await kube.get(CONFIGMAP, namespace, "shared-settings")
+    assert settings is not None
+    assert settings["data"]["KVTIER_RAM_BYTES"] == str(2**30)
+    assert settings["data"]["KVTIER_DISK_BYTES"] == str(int(10 * 2**30 * 0.9))
+    headless = await kube.get(SERVICE, namespace, "shared-headless")
+    client = await kube.get(SERVICE, namespace, "shared")
+    assert headless is not None and headless["spec"]["clusterIP"] == "None"
+    assert client is not None and {p["port"] for p in client["spec"]["ports"]} == {50051, 9400}
+    tier = await kube.get(CACHE_TIER, namespace, "shared")
+    assert tier is not None
+    for child in (statefulset, settings, headless, client):
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == ("CacheTier", tier["metadata"]["uid"], True)
+
+
+async def test_a_cache_tier_turns_ready_when_its_pods_are_ready(kube: KubeClient, namespace: str) -> None:
+    await kube.create(cache_tier(namespace))
+    tier = await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", status="False")
+    assert condition(tier, "Ready")["reason"] == "ReplicasNotReady"
+    assert tier["status"]["endpoint"] == f"shared.{namespace}.svc:50051"
+    assert await mark_pods_ready(kube, namespace, "app.kubernetes.io/instance=shared") == 1
+    tier = await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", status="True")
+    assert tier["status"]["readyReplicas"] == 1
+
+
+async def test_a_recipe_gets_a_vllm_deployment_wired_to_the_tier_service(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace))
+    await kube.create(model_recipe(namespace, cache={"chunkSize": 512, "encoderCache": True}))
+    deployment = await eventually(lambda: kube.get(DEPLOYMENT, namespace, "qwen"))
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    args = container["args"]
+    assert args[args.index("--kv-transfer-config") + 1] == "$(KVTIER_KV_TRANSFER_CONFIG)"
+    assert args[args.index("--ec-transfer-config") + 1] == "$(KVTIER_EC_TRANSFER_CONFIG)"
+    config = await kube.get(CONFIGMAP, namespace, "qwen-kvtier")
+    assert config is not None
+    kv = json.loads(config["data"]["kv-transfer-config.json"])
+    assert kv["kv_connector"] == "KvtierConnector"
+    assert kv["kv_connector_extra_config"]["target"] == f"shared.{namespace}.svc:50051"
+    assert kv["kv_connector_extra_config"]["chunk_size"] == 512
+    ec = json.loads(config["data"]["ec-transfer-config.json"])
+    assert ec["ec_connector"] == "KvtierECConnector"
+    service = await kube.get(SERVICE, namespace, "qwen")
+    assert service is not None and service["spec"]["ports"][0]["port"] == 8000
+
+
+async def test_a_recipe_reports_each_condition_with_its_reason_and_the_observed_generation(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace))
+    await kube.create(model_recipe(namespace))
+    recipe = await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "EngineReady", status="False", generation=1
+    )
+    assert condition(recipe, "TierReady")["reason"] in ("TierPending", "TierNotReady")
+    assert condition(recipe, "EngineReady")["reason"] == "ReplicasNotReady"
+    assert condition(recipe, "Ready")["status"] == "False"
+    assert recipe["status"]["tierEndpoint"] == f"shared.{namespace}.svc:50051"
+    assert recipe["status"]["endpoint"] == f"qwen.{namespace}.svc:8000"
+
+
+async def test_a_recipe_turns_ready_when_tier_and_engine_pods_are_ready(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace))
+    await kube.create(model_recipe(namespace))
+    await mark_pods_ready(kube, namespace, "app.kubernetes.io/instance=shared")
+    await mark_pods_ready(kube, namespace, "app.kubernetes.io/instance=qwen")
+    recipe = await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "Ready", status="True")
+    assert condition(recipe, "TierReady")["status"] == "True"
+    assert condition(recipe, "EngineReady")["reason"] == "ReplicasAvailable"
+    assert recipe["status"]["availableReplicas"] == 1
+
+
+async def test_editing_a_recipe_rolls_out_a_new_engine_template(kube: KubeClient, namespace: str) -> None:
+    await kube.create(cache_tier(namespace))
+    await kube.create(model_recipe(namespace))
+    before = await eventually(lambda: kube.get(DEPLOYMENT, namespace, "qwen"))
+    await kube.patch(MODEL_RECIPE, namespace, "qwen", {
+        "spec": {"engine": {"args": ["--max-model-len", "4096"]}, "cache": {"chunkSize": 128}}
+    })  # fmt: skip
+
+    async def rolled_out() -> dict[str, Any] | None:
+        after = await kube.get(DEPLOYMENT, namespace, "qwen")
+        changed = after and after["metadata"]["generation"] > before["metadata"]["generation"]
+        return after if changed else None
+
+    after = await eventually(rolled_out, what="a new Deployment generation")
+    (container,) = after["spec"]["template"]["spec"]["containers"]
+    assert container["args"][-2:] == ["--max-model-len", "4096"]
+    hashes = [d["spec"]["template"]["metadata"]["annotations"]["kvtier.io/settings-hash"] for d in (before, after)]
+    assert hashes[0] != hashes[1], "a new kv-transfer-config restarts the engines"
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "Ready", generation=2)
+
+
+async def test_a_deleted_child_is_restored(kube: KubeClient, namespace: str) -> None:
+    await kube.create(cache_tier(namespace))
+    await kube.create(model_recipe(namespace))
+    first = await eventually(lambda: kube.get(DEPLOYMENT, namespace, "qwen"))
+    await kube.delete(DEPLOYMENT, namespace, "qwen")
+
+    async def recreated() -> dict[str, Any] | None:
+        again = await kube.get(DEPLOYMENT, namespace, "qwen")
+        return again if again and again["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+    await eventually(recreated, what="the Deployment to come back")
+    await kube.delete(SERVICE, namespace, "shared")
+    await eventually(lambda: kube.get(SERVICE, namespace, "shared"), what="the tier's Service to come back")
+
+
+async def test_an_edited_child_is_set_back(kube: KubeClient, namespace: str) -> None:
+    await kube.create(cache_tier(namespace, replicas=2))
+    await eventually(lambda: kube.get(STATEFULSET, namespace, "shared"))
+    await kube.patch(STATEFULSET, namespace, "shared", {"spec": {"replicas": 5}})
+
+    async def reverted() -> bool:
+        statefulset = await kube.get(STATEFULSET, namespace, "shared")
+        return statefulset is not None and statefulset["spec"]["replicas"] == 2
+
+    await eventually(reverted, what="spec.replicas back to 2")
+
+
+async def test_an_unsupported_engine_is_rejected_by_the_api_server(kube: KubeClient, namespace: str) -> None:
+    recipe = model_recipe(namespace, engine={"image": ENGINE_IMAGE, "kind": "sglang"})
+    with pytest.raises(Invalid, match='spec.engine.kind: Unsupported value: "sglang": supported values: "vllm"'):
+        await kube.create(recipe)
+
+
+async def test_a_recipe_with_both_tier_ref_and_inline_is_rejected_by_the_api_server(
+    kube: KubeClient, namespace: str
+) -> None:
+    recipe = model_recipe(namespace, tier={"ref": {"name": "shared"}, "inline": {}})
+    with pytest.raises(Invalid, match="spec.tier"):
+        await kube.create(recipe)
+
+
+async def test_a_recipe_naming_a_missing_tier_says_so_until_the_tier_exists(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(model_recipe(namespace, tier={"ref": {"name": "nope"}}))
+    recipe = await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotFound"
+    )
+    assert "'nope' does not exist" in condition(recipe, "TierReady")["message"]
+    assert condition(recipe, "Ready")["reason"] == "TierNotFound"
+    await kube.create(cache_tier(namespace, name="nope"))
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady")
+
+
+async def test_a_tier_naming_a_missing_secret_says_so_until_the_secret_exists(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace, authSecretRef={"name": "tier-auth"}))
+    tier = await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", reason="SecretNotFound")
+    assert "spec.authSecretRef: Secret 'tier-auth' does not exist" in condition(tier, "Ready")["message"]
+    await kube.create({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "tier-auth", "namespace": namespace},
+        "stringData": {"token": "s3cret"},
+    })  # fmt: skip
+    await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", reason="ReplicasNotReady")
+    assert await kube.get(SECRET, namespace, "tier-auth") is not None
+
+
+async def test_an_invalid_combination_is_reported_in_status_without_children(
+    kube: KubeClient, namespace: str
+) -> None:
+    text_model = {"repo": "Qwen/Qwen2-0.5B", "architecture": "Qwen2ForCausalLM"}
+    await kube.create(model_recipe(namespace, model=text_model, cache={"encoderCache": True}))
+    recipe = await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "Ready", reason="InvalidSpec")
+    assert "spec.cache.encoderCache" in condition(recipe, "Ready")["message"]
+    assert await kube.get(DEPLOYMENT, namespace, "qwen") is None
+
+
+async def test_a_child_name_taken_by_a_foreign_object_is_reported_not_taken_over(
+    kube: KubeClient, namespace: str
+) -> None:
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "shared-settings", "namespace": namespace}}
+    await kube.create({**foreign, "data": {"mine": "yes"}})
+    await kube.create(cache_tier(namespace))
+    tier = await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", reason="ChildConflict")
+    assert "ConfigMap named 'shared-settings'" in condition(tier, "Ready")["message"]
+    config = await kube.get(CONFIGMAP, namespace, "shared-settings")
+    assert config is not None and config["data"] == {"mine": "yes"}
+
+
+async def test_deleting_a_recipe_removes_its_children_and_its_inline_tier(
+    kube: KubeClient, namespace: str
+) -> None:
+    inline = {"ramBytes": "1Gi", "disk": {"enabled": False}}
+    await kube.create(model_recipe(namespace, tier={"inline": inline}))
+    await wait_for_condition(kube, namespace, "CacheTier", "qwen-tier", "Ready")
+    statefulset = await eventually(lambda: kube.get(STATEFULSET, namespace, "qwen-tier"))
+    assert "volumeClaimTemplates" not in statefulset["spec"]
+    await eventually(lambda: kube.get(DEPLOYMENT, namespace, "qwen"))
+    await kube.delete(MODEL_RECIPE, namespace, "qwen")
+    children = [
+        (DEPLOYMENT, "qwen"), (SERVICE, "qwen"), (CONFIGMAP, "qwen-kvtier"),
+        (CACHE_TIER, "qwen-tier"), (STATEFULSET, "qwen-tier"), (SERVICE, "qwen-tier"),
+    ]  # fmt: skip
+
+    async def all_gone() -> bool:
+        return all([await kube.get(kind, namespace, name) is None for kind, name in children])
+
+    await eventually(all_gone, timeout=60, what="the garbage collector to remove every child")
+
+
+def test_the_operator_needed_no_permission_beyond_rbac_yaml(operator: OperatorProcess) -> None:
+    log = operator.log_text()
+    assert "Forbidden" not in log and " 403" not in log, log[-3000:]

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.operator.errors import SpecError
+from kvtier.operator.spec import (
+    SecretKeyRef,
+    parse_cache_tier,
+    parse_model_recipe,
+)
+from tests.operator.bodies import cache_tier, model_recipe
+
+
+def raw_recipe(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvtier.io/v1alpha1",
+        "kind": "ModelRecipe",
+        "metadata": {"name": "qwen", "namespace": "ml", "uid": "u1", "generation": 3},
+        "spec": spec,
+    }
+
+
+MINIMAL = {
+    "model": {"repo": "Qwen/Qwen2-0.5B", "architecture": "Qwen2ForCausalLM"},
+    "engine": {"image": "vllm:1"},
+    "tier": {"inline": {}},
+}
+
+
+def test_a_minimal_recipe_parses_the_same_with_or_without_the_crd_defaults() -> None:
+    spec = {**MINIMAL, "tier": {"ref": {"name": "shared"}}}
+    without = parse_model_recipe(raw_recipe(**spec))
+    with_crd_defaults = parse_model_recipe(model_recipe(name="qwen", **spec) | {
+        "metadata": {"name": "qwen", "namespace": "ml", "uid": "u1", "generation": 3}
+    })  # fmt: skip
+    assert without == with_crd_defaults
+
+
+def test_a_minimal_cache_tier_parses_the_same_with_or_without_the_crd_defaults() -> None:
+    body = cache_tier()
+    raw = {**body, "spec": {}}
+    assert parse_cache_tier(raw) == parse_cache_tier(body)
+
+
+def test_defaults_are_a_text_model_on_one_gpu_with_256_token_chunks() -> None:
+    recipe = parse_model_recipe(raw_recipe(**MINIMAL))
+    assert recipe.model.revision == "main"
+    assert recipe.model.modalities == ("text",)
+    assert (recipe.engine.kind, recipe.engine.replicas, recipe.engine.gpus) == ("vllm", 1, 1)
+    assert (recipe.cache.chunk_size, recipe.cache.codec, recipe.cache.salt_policy) == (
+        256, "none", "request",
+    )  # fmt: skip
+    assert recipe.cache.encoder_cache is False
+
+
+def test_an_unsupported_engine_is_rejected_naming_the_field_and_the_choices() -> None:
+    spec = {**MINIMAL, "engine": {"image": "x", "kind": "sglang"}}
+    with pytest.raises(SpecError, match=r"spec.engine.kind: engine 'sglang' is not supported.*vllm"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+def test_the_encoder_cache_on_a_text_only_model_is_an_invalid_combination() -> None:
+    spec = {**MINIMAL, "cache": {"encoderCache": True}}
+    with pytest.raises(SpecError, match="spec.cache.encoderCache: .*multimodal"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+def test_gpus_in_engine_resources_are_rejected_in_favour_of_engine_gpus() -> None:
+    spec = {**MINIMAL, "engine": {"image": "x", "resources": {"limits": {"nvidia.com/gpu": 2}}}}
+    with pytest.raises(SpecError, match="spec.engine.resources: set GPUs with spec.engine.gpus"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+@pytest.mark.parametrize("tier", [{}, {"ref": {"name": "a"}, "inline": {}}])
+def test_a_tier_needs_exactly_one_of_ref_and_inline(tier: dict[str, Any]) -> None:
+    with pytest.raises(SpecError, match="spec.tier: set exactly one of ref"):
+        parse_model_recipe(raw_recipe(**{**MINIMAL, "tier": tier}))
+
+
+def test_an_inline_tier_is_named_after_the_recipe_and_kept_as_written() -> None:
+    spec = {**MINIMAL, "tier": {"inline": {"ramBytes": "8Gi"}}}
+    recipe = parse_model_recipe(raw_recipe(**spec))
+    assert recipe.tier_name == "qwen-tier"
+    assert recipe.inline_tier == {"ramBytes": "8Gi"}
+
+
+def test_an_invalid_inline_tier_is_reported_with_its_path() -> None:
+    spec = {**MINIMAL, "tier": {"inline": {"ramBytes": "8GB"}}}
+    with pytest.raises(SpecError, match="spec.tier.inline.ramBytes: expected a quantity"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+def test_a_referenced_tier_keeps_its_name() -> None:
+    recipe = parse_model_recipe(model_recipe(tier={"ref": {"name": "shared"}}))
+    assert recipe.tier_name == "shared"
+    assert recipe.inline_tier is None
+
+
+def test_the_owner_carries_the_generation_for_observed_generation() -> None:
+    assert parse_model_recipe(raw_recipe(**MINIMAL)).owner.generation == 3
+
+
+def test_tier_quantities_become_bytes() -> None:
+    tier = parse_cache_tier(cache_tier(ramBytes="4Gi", disk={"size": "100Gi"}))
+    assert tier.spec.ram_bytes == 4 * 2**30
+    assert tier.spec.disk.size_bytes == 100 * 2**30
+    assert tier.spec.disk.size == "100Gi"
+
+
+def test_secret_references_default_their_keys_and_name_their_fields() -> None:
+    tier = parse_cache_tier(cache_tier(
+        redis={"url": "redis://r:6379", "passwordSecretRef": {"name": "redis"}},
+        authSecretRef={"name": "auth"},
+    ))  # fmt: skip
+    assert tier.spec.secret_refs() == [
+        ("spec.redis.passwordSecretRef", SecretKeyRef("redis", "password")),
+        ("spec.authSecretRef", SecretKeyRef("auth", "token")),
+    ]
+
+
+def test_a_redis_url_without_a_redis_scheme_is_rejected() -> None:
+    with pytest.raises(SpecError, match=r"spec.redis.url: expected a redis:// or rediss://"):
+        parse_cache_tier(cache_tier(redis={"url": "http://r:6379"}))
+
+
+def test_a_name_too_long_for_the_children_is_rejected() -> None:
+    body = cache_tier(name="t" * 41)
+    with pytest.raises(SpecError, match="metadata.name: at most 40 characters"):
+        parse_cache_tier(body)
