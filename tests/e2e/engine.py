@@ -103,6 +103,14 @@ class EngineProcess:
         result: dict[str, float] = self.call({"cmd": "stats"})
         return result
 
+    def tokenize(self, prompt: str) -> list[int]:
+        result: list[int] = self.call({"cmd": "tokenize", "prompt": prompt})
+        return result
+
+    def chunk_keys(self, prompt: str) -> list[bytes]:
+        """The chunk keys (rank 0) the connector computes for a text prompt."""
+        return [bytes.fromhex(k) for k in self.call({"cmd": "chunk_keys", "prompt": prompt})]
+
     def flush(self) -> None:
         """Wait until the connector's background sender has sent what it queued."""
         self.call({"cmd": "flush"})
@@ -222,7 +230,13 @@ def _serve(spec: dict[str, Any]) -> None:
                 params = SamplingParams(max_tokens=message["max_tokens"], temperature=0.0)
                 prompts = []
                 for p in message["prompts"]:
-                    prompt: dict[str, Any] = {"prompt": p["prompt"]}
+                    prompt: dict[str, Any] = (
+                        {"prompt_token_ids": p["prompt_token_ids"]}
+                        if "prompt_token_ids" in p
+                        else {"prompt": p["prompt"]}
+                    )
+                    if p.get("cache_salt"):
+                        prompt["cache_salt"] = p["cache_salt"]
                     if p.get("images"):
                         prompt["multi_modal_data"] = {"image": [_image(i) for i in p["images"]]}
                     prompts.append(prompt)
@@ -237,6 +251,18 @@ def _serve(spec: dict[str, Any]) -> None:
                         for o in outputs
                     ]
                 )
+            elif cmd == "tokenize":
+                reply(result=_LLM.get_tokenizer().encode(message["prompt"]))
+            elif cmd == "chunk_keys":
+                # The keys the connector computes for a text prompt (rank 0), in hex.
+                from types import SimpleNamespace
+
+                ids = message.get("prompt_token_ids") or _LLM.get_tokenizer().encode(
+                    message["prompt"]
+                )
+                request = SimpleNamespace(prompt_token_ids=ids, mm_features=[], cache_salt=None)
+                keys = _scheduler_connector().scheduler._keys(request)
+                reply(result=[k[0].hex() for k in keys])
             elif cmd == "stats":
                 reply(result=_connector_stats())
             elif cmd == "flush":

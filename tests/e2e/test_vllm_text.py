@@ -1,0 +1,152 @@
+"""Text prompts across two vLLM processes that share only the tier.
+
+Engine A computes and saves; engine B, a separate process, loads. A run with a
+fresh ``cache_salt`` misses every key, so it is the no-cache reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kvtier.connector.client import TierClient
+from kvtier.connector.codec import decode_chunk, encode_chunk_bytes
+
+from tests.e2e.engine import EngineProcess
+from tests.tierproc import TierProcess
+from tests.tinymodels import prompt_text
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+PROMPT_WORDS = 330  # about 960 tokens: 3 full chunks of 256, then a partial one
+
+
+@pytest.fixture(scope="module")
+def tier(module_dir: Path) -> Iterator[TierProcess]:
+    # write-through: a saved chunk is on disk at once (the corruption test reads it there).
+    tier = TierProcess.start(module_dir / "tier", "--write-policy", "write-through")
+    yield tier
+    tier.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(
+    text_model: Path, tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> tuple[EngineProcess, EngineProcess]:
+    config = {"target": tier.target, "chunk_size": CHUNK}
+    return (
+        start_engine(text_model, name="a", extra_config=config),
+        start_engine(text_model, name="b", extra_config=config),
+    )
+
+
+@pytest.fixture
+def client(tier: TierProcess) -> Iterator[TierClient]:
+    with TierClient(tier.target) as client:
+        yield client
+
+
+def saved_by_a(engines: tuple[EngineProcess, EngineProcess], seed: int) -> tuple[str, list[int]]:
+    """A fresh prompt computed (and saved) by engine A: (prompt, A's greedy tokens)."""
+    a, _ = engines
+    prompt = prompt_text(PROMPT_WORDS, seed=seed)
+    (out,) = a.generate([{"prompt": prompt}])
+    assert out.num_cached_tokens == 0
+    a.flush()
+    return prompt, out.token_ids
+
+
+def reference(engines: tuple[EngineProcess, EngineProcess], prompt: str) -> list[int]:
+    """The no-cache output: a unique salt makes every key miss."""
+    _, b = engines
+    (out,) = b.generate([{"prompt": prompt, "cache_salt": f"reference-{prompt[:20]}"}])
+    assert out.num_cached_tokens == 0
+    return out.token_ids
+
+
+def test_second_process_serves_prompt_from_tier_with_identical_output(engines) -> None:
+    _, b = engines
+    prompt, from_a = saved_by_a(engines, seed=1)
+
+    (out,) = b.generate([{"prompt": prompt}])
+
+    assert out.num_prompt_tokens > 3 * CHUNK
+    assert out.num_cached_tokens == out.num_prompt_tokens // CHUNK * CHUNK
+    assert out.token_ids == from_a == reference(engines, prompt)
+
+
+def test_prompt_of_whole_chunks_recomputes_its_last_block(engines) -> None:
+    """A full hit still leaves vLLM one block to compute (it must sample a token)."""
+    a, b = engines
+    ids = a.tokenize(prompt_text(PROMPT_WORDS, seed=2))[: 2 * CHUNK]
+    (from_a,) = a.generate([{"prompt_token_ids": ids}])
+    a.flush()
+
+    (out,) = b.generate([{"prompt_token_ids": ids}])
+
+    assert out.num_cached_tokens == 2 * CHUNK - 128  # the last 128-token block is recomputed
+    assert out.token_ids == from_a.token_ids
+
+
+def test_altered_chunk_in_tier_changes_output(engines, client: TierClient) -> None:
+    """Negative control: KV that passes verification but is wrong changes the output,
+    so the loaded KV is really what the model attends to."""
+    import numpy as np
+
+    _, b = engines
+    prompt, expected = saved_by_a(engines, seed=3)
+    keys = b.chunk_keys(prompt)
+    assert client.lookup(keys) == len(keys) == 3
+    rng = np.random.default_rng(0)
+    for key, blob in zip(keys, client.get(keys), strict=True):
+        assert blob is not None
+        chunk = decode_chunk(key, blob)
+        noise = rng.normal(0, 4, size=len(chunk.payload) // 2).astype(np.float32)
+        bf16 = (noise.view(np.uint32) >> 16).astype(np.uint16)  # float32 -> bfloat16 bits
+        forged = encode_chunk_bytes(key, bf16.tobytes(), dtype=chunk.dtype, shape=chunk.shape)
+        assert client.put([(key, forged)]) == 1
+
+    (out,) = b.generate([{"prompt": prompt}])
+
+    assert out.num_cached_tokens == 3 * CHUNK
+    assert out.token_ids != expected
+
+
+def test_chunk_failing_its_checksum_is_recomputed_and_deleted(engines, client) -> None:
+    _, b = engines
+    prompt, expected = saved_by_a(engines, seed=4)
+    keys = b.chunk_keys(prompt)
+    blob = bytearray(client.get(keys[1:2])[0])
+    blob[-100] ^= 0xFF  # one flipped payload bit pattern: the codec checksum fails
+    assert client.put([(keys[1], bytes(blob))]) == 1
+    before = b.stats()
+
+    (out,) = b.generate([{"prompt": prompt}])
+    b.flush()
+
+    after = b.stats()
+    assert out.token_ids == expected
+    assert after.get("corrupt_chunks", 0) == before.get("corrupt_chunks", 0) + 1
+    assert after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0) == 4
+    assert client.lookup(keys) == 1  # the bad chunk was deleted from the tier
+
+
+def test_chunk_corrupted_on_tier_disk_is_recomputed(engines, tier: TierProcess) -> None:
+    """Bytes flipped in the tier's files: the tier's own check turns them into misses."""
+    _, b = engines
+    prompt, expected = saved_by_a(engines, seed=5)
+    tier.terminate()
+    for record in (tier.directory / "disk" / "v1").glob("*/*"):
+        data = bytearray(record.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        record.write_bytes(bytes(data))
+    tier.restart()  # empty RAM: reads come from the corrupted files
+    before = b.stats()
+
+    (out,) = b.generate([{"prompt": prompt}])
+
+    after = b.stats()
+    assert out.token_ids == expected
+    assert after.get("load_failed_blocks", 0) > before.get("load_failed_blocks", 0)
