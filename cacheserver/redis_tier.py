@@ -48,10 +48,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from kvtier.cacheserver import record
-from kvtier.cacheserver.errors import SettingsError, TierFailure
-from kvtier.cacheserver.record import CorruptRecord
-from kvtier.cacheserver.tiers import TierCounters, TierUsage
 from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import SSLConnection, parse_url
@@ -65,6 +61,11 @@ from redis.exceptions import (
     RedisClusterException,
     RedisError,
 )
+
+from kvtier.cacheserver import record
+from kvtier.cacheserver.errors import SettingsError, TierFailure
+from kvtier.cacheserver.record import CorruptRecord
+from kvtier.cacheserver.tiers import TierCounters, TierUsage
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
 from kvtier.cacheserver.disk import DiskTier
 from kvtier.cacheserver.metrics import ServerMetrics, TierCollector
 from kvtier.cacheserver.ram import RamTier
@@ -26,7 +28,6 @@ from kvtier.cacheserver.settings import Settings
 from kvtier.cacheserver.store import StorePolicy, TieredStore
 from kvtier.cacheserver.tiers import Tier
 from kvtier.proto import SERVICE_NAME, cache_pb2
-from prometheus_client import CollectorRegistry, start_http_server
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,16 @@ async def build_tiers(settings: Settings) -> list[Tier]:
                 password=settings.redis_password,
                 timeout_s=settings.redis_timeout_s,
                 ttl_s=int(settings.redis_ttl_s),
+                tls_ca_file=_str(settings.redis_tls_ca_file),
+                tls_cert_file=_str(settings.redis_tls_cert_file),
+                tls_key_file=_str(settings.redis_tls_key_file),
             )
         )
     return tiers
+
+
+def _str(path: object) -> str | None:
+    return None if path is None else str(path)
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
+
 from kvtier.cacheserver.errors import InvalidRequest, LimitExceeded, RequestError
 from kvtier.cacheserver.metrics import ServerMetrics
 from kvtier.cacheserver.namespace import DEFAULT_TENANT, scoped

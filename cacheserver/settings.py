@@ -76,6 +76,9 @@ class Settings:
     disk_fsync: bool = False
     redis_url: str | None = None
     redis_password: str | None = None
+    redis_tls_ca_file: Path | None = None
+    redis_tls_cert_file: Path | None = None
+    redis_tls_key_file: Path | None = None
     redis_timeout_s: float = 0.5
     redis_ttl_s: float = 0.0
     write_policy: str = "write-behind"
@@ -147,6 +150,9 @@ _FLAGS = [
     _Flag("disk-fsync", "disk_fsync", _bool, "fsync each disk write (survives power loss; slower)", "true or false"),
     _Flag("redis-url", "redis_url", str, "Redis tier: redis://, rediss:// (TLS), unix:// or redis+cluster:// URL", "a Redis URL"),
     _Flag("redis-password", "redis_password", str, "Redis password (prefer the env var)", "a string"),
+    _Flag("redis-tls-ca-file", "redis_tls_ca_file", Path, "CA bundle that signed the Redis server's certificate (rediss://)", "a file path"),
+    _Flag("redis-tls-cert-file", "redis_tls_cert_file", Path, "client certificate for Redis mutual TLS", "a file path"),
+    _Flag("redis-tls-key-file", "redis_tls_key_file", Path, "client key for Redis mutual TLS", "a file path"),
     _Flag("redis-timeout", "redis_timeout_s", parse_duration, "deadline of each Redis call", "a duration such as 500ms"),
     _Flag("redis-ttl", "redis_ttl_s", parse_duration, "expiry of values written to Redis (0: none)", "a duration such as 24h in seconds, or 0"),
     _Flag("write-policy", "write_policy", _choice("write-behind", "write-through"),
@@ -231,6 +237,15 @@ def _check(s: Settings) -> None:
     for flag, value in (("redis-timeout", s.redis_timeout_s), ("tier-timeout", s.tier_timeout_s)):
         if value <= 0:
             raise bad(flag, "must be greater than 0")
+    for flag, path in (
+        ("redis-tls-ca-file", s.redis_tls_ca_file),
+        ("redis-tls-cert-file", s.redis_tls_cert_file),
+        ("redis-tls-key-file", s.redis_tls_key_file),
+    ):
+        if path is not None and not path.is_file():
+            raise bad(flag, f"{path} is not a readable file")
+    if (s.redis_tls_cert_file is None) != (s.redis_tls_key_file is None):
+        raise bad("redis-tls-cert-file", "give both --redis-tls-cert-file and --redis-tls-key-file, or neither")
     if s.redis_ttl_s < 0:
         raise bad("redis-ttl", "must be 0 (no expiry) or positive")
     if s.grace_period_s < 0:

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+
 from kvtier.connector.client import TierClient
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2, wire
-
 from tests.tierproc import TierProcess, health_status
 
 

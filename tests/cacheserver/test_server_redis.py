@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
-from kvtier.connector.client import TierClient
 
-from tests.redisprocs import RedisServer
+from kvtier.connector.client import TierClient
+from tests.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 from tests.tierproc import TierProcess
 
 
@@ -97,3 +100,45 @@ def test_a_corrupted_value_in_redis_is_never_served_and_is_counted(
         assert c.get([b"victim"]) == [None]
         assert c.lookup([b"victim"]) == 0
     assert tier.metric("kvtier_tier_verification_failures_total", tier="redis") == 1
+
+
+def _round_trip_through_redis_only(start_tier: Callable[..., TierProcess], *flags: str) -> None:
+    writer = start_tier(*flags, "--disk-bytes", "0", "--write-policy", "write-through")
+    reader = start_tier(*flags, "--disk-bytes", "0")
+    data = os.urandom(100_000)
+    with TierClient(writer.target) as c:
+        assert c.put([(b"via-redis", data)]) == 1
+    with TierClient(reader.target) as c:
+        (got,) = c.get([b"via-redis"])
+    assert got is not None and bytes(got) == data
+    assert reader.metric("kvtier_tier_hits_total", tier="redis") == 1
+
+
+def test_the_server_reaches_redis_over_a_unix_socket(
+    start_tier: Callable[..., TierProcess], redis_unix: RedisServer
+) -> None:
+    _round_trip_through_redis_only(start_tier, "--redis-url", redis_unix.unix_url)
+
+
+def test_the_server_reaches_redis_over_tls(
+    start_tier: Callable[..., TierProcess], redis_tls: RedisServer, tls_files: TlsFiles
+) -> None:
+    _round_trip_through_redis_only(
+        start_tier, "--redis-url", redis_tls.tls_url, "--redis-tls-ca-file", str(tls_files.ca)
+    )
+
+
+def test_the_server_uses_a_redis_cluster(
+    start_tier: Callable[..., TierProcess], redis_cluster: RedisClusterProcs
+) -> None:
+    _round_trip_through_redis_only(start_tier, "--redis-url", redis_cluster.url)
+
+
+def test_a_missing_tls_ca_file_stops_the_server_with_a_clear_message(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "server", "--redis-url", "rediss://127.0.0.1:1",
+         "--redis-tls-ca-file", str(tmp_path / "nope.crt")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "--redis-tls-ca-file (env KVTIER_REDIS_TLS_CA_FILE)" in r.stderr and "not a readable file" in r.stderr

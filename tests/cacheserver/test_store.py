@@ -1,0 +1,106 @@
+"""The tiered store with real tiers: promotion, write-behind, degradation, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from kvtier.cacheserver.disk import DiskTier
+from kvtier.cacheserver.metrics import ServerMetrics
+from kvtier.cacheserver.ram import RamTier
+from kvtier.cacheserver.store import StorePolicy, TieredStore
+
+
+async def make_store(tmp_path: Path, **policy: object) -> tuple[TieredStore, RamTier, DiskTier, ServerMetrics]:
+    ram = RamTier(1 << 20)
+    disk = DiskTier(tmp_path, 100 << 20)
+    await disk.open()
+    metrics = ServerMetrics(CollectorRegistry())
+    store = TieredStore([ram, disk], StorePolicy(probe_interval_s=0.1, **policy), metrics)  # type: ignore[arg-type]
+    store.start()
+    return store, ram, disk, metrics
+
+
+def sample(metrics: ServerMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_writes_reach_the_disk_behind_the_ram(tmp_path: Path) -> None:
+    store, _ram, disk, _ = await make_store(tmp_path)
+    assert await store.put(b"k", b"v" * 100)
+    assert await store.drain(5)
+    assert (await disk.contains([b"k"])) == [True]
+    await store.close()
+
+
+async def test_a_disk_hit_is_promoted_into_ram(tmp_path: Path) -> None:
+    store, ram, disk, metrics = await make_store(tmp_path)
+    await disk.put(b"k", b"from disk")
+    got = await store.get(b"k")
+    assert got is not None and bytes(got) == b"from disk"
+    assert (await ram.contains([b"k"])) == [True]
+    assert sample(metrics, "kvtier_tier_promotions_total", tier="ram") == 1
+    await store.close()
+
+
+async def test_lookup_counts_a_prefix_spread_over_tiers(tmp_path: Path) -> None:
+    store, ram, disk, _ = await make_store(tmp_path)
+    await ram.put(b"a", b"1")
+    await disk.put(b"b", b"2")
+    await ram.put(b"d", b"4")
+    assert await store.lookup([b"a", b"b", b"c", b"d"]) == 2
+    await store.close()
+
+
+async def test_a_full_write_behind_queue_drops_copies_and_counts_them(tmp_path: Path) -> None:
+    store, ram, _disk, metrics = await make_store(tmp_path, write_behind_values=2)
+    ram.capacity_bytes = 10 << 20
+    # Many concurrent puts: the disk writer copies one value at a time in a thread.
+    results = await asyncio.gather(*(store.put(b"k%d" % i, b"v" * 200_000) for i in range(5)))
+    assert all(results), "RAM holds every value even when its disk copy is dropped"
+    assert sample(metrics, "kvtier_write_behind_dropped_total", tier="disk") >= 1
+    assert (await ram.contains([b"k4"])) == [True]
+    await store.close()
+
+
+async def test_delete_also_cancels_a_pending_write_behind_copy(tmp_path: Path) -> None:
+    store, _ram, disk, _ = await make_store(tmp_path)
+    await store.put(b"gone", b"v")
+    await store.delete([b"gone"])
+    await store.drain(5)
+    assert (await disk.contains([b"gone"])) == [False]
+    assert await store.get(b"gone") is None
+    await store.close()
+
+
+async def test_a_failing_disk_costs_misses_then_recovers_by_itself(tmp_path: Path) -> None:
+    store, _ram, disk, metrics = await make_store(tmp_path)
+    shutil.rmtree(tmp_path / "tmp")
+    (tmp_path / "tmp").write_text("broken")
+    await store.put(b"k", b"v")
+    await store.drain(5)
+    assert not store.is_healthy("disk")
+    assert sample(metrics, "kvtier_tier_errors_total", tier="disk", op="put") == 1
+    assert await store.get(b"k") is not None, "RAM still serves"
+    assert await store.get(b"other") is None
+    (tmp_path / "tmp").unlink()
+    (tmp_path / "tmp").mkdir()
+    for _ in range(50):
+        if store.is_healthy("disk"):
+            break
+        await asyncio.sleep(0.1)
+    assert store.is_healthy("disk")
+    await store.put(b"k2", b"v2")
+    await store.drain(5)
+    assert (await disk.contains([b"k2"])) == [True]
+    await store.close()
+
+
+async def test_write_through_puts_return_after_every_tier_holds_the_value(tmp_path: Path) -> None:
+    store, _ram, disk, _ = await make_store(tmp_path, write_through=True)
+    await store.put(b"k", b"v")
+    assert (await disk.contains([b"k"])) == [True]
+    await store.close()
