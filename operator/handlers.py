@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from kvtier.operator.children import ClusterFeatures
 from kvtier.operator.errors import KubeError
 from kvtier.operator.kube import KubeClient

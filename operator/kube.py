@@ -17,6 +17,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 import kopf
+
 from kvtier.operator.errors import Conflict, Invalid, KubeError, NotFound
 
 logger = logging.getLogger(__name__)

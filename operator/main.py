@@ -6,6 +6,7 @@ import argparse
 import logging
 
 import kopf
+
 from kvtier.operator.handlers import OperatorConfig, register
 
 DEFAULT_TIER_IMAGE = "ghcr.io/kvtier/kvtier:0.1.0"

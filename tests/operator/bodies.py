@@ -9,12 +9,19 @@ from tests.operator.crdschema import with_defaults
 
 
 def cache_tier(name: str = "shared", namespace: str = "ml", **spec: Any) -> dict[str, Any]:
-    return with_defaults({
-        "apiVersion": "kvtier.io/v1alpha1",
-        "kind": "CacheTier",
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 1},
-        "spec": copy.deepcopy(spec),
-    })
+    return with_defaults(
+        {
+            "apiVersion": "kvtier.io/v1alpha1",
+            "kind": "CacheTier",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": f"uid-{name}",
+                "generation": 1,
+            },
+            "spec": copy.deepcopy(spec),
+        }
+    )
 
 
 def model_recipe(name: str = "qwen", namespace: str = "ml", **overrides: Any) -> dict[str, Any]:
@@ -29,9 +36,16 @@ def model_recipe(name: str = "qwen", namespace: str = "ml", **overrides: Any) ->
     }
     for key, value in overrides.items():
         spec[key] = copy.deepcopy(value)
-    return with_defaults({
-        "apiVersion": "kvtier.io/v1alpha1",
-        "kind": "ModelRecipe",
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 1},
-        "spec": spec,
-    })
+    return with_defaults(
+        {
+            "apiVersion": "kvtier.io/v1alpha1",
+            "kind": "ModelRecipe",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": f"uid-{name}",
+                "generation": 1,
+            },
+            "spec": spec,
+        }
+    )

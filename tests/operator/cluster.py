@@ -22,17 +22,17 @@ MODEL_RECIPE = kind_of("kvtier.io/v1alpha1", "ModelRecipe")
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T | None]], *, timeout: float = 30, what: str = "a condition"
+    probe: Callable[[], Awaitable[T | None]], *, within: float = 30, what: str = "a condition"
 ) -> T:
     """Poll ``probe`` until it returns something truthy; its value."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     last: T | None = None
     while time.monotonic() < deadline:
         last = await probe()
         if last:
             return last
         await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+    raise AssertionError(f"timed out after {within} s waiting for {what}; last value: {last!r}")
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -42,8 +42,15 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 
 
 async def wait_for_condition(
-    kube: KubeClient, namespace: str, kind: str, name: str, type_: str, *,
-    status: str | None = None, reason: str | None = None, generation: int | None = None,
+    kube: KubeClient,
+    namespace: str,
+    kind: str,
+    name: str,
+    type_: str,
+    *,
+    status: str | None = None,
+    reason: str | None = None,
+    generation: int | None = None,
 ) -> dict[str, Any]:
     """Wait until the custom resource's condition has this status/reason; the object."""
     resource = {"CacheTier": CACHE_TIER, "ModelRecipe": MODEL_RECIPE}[kind]

@@ -18,7 +18,7 @@ def test_quantities_parse_to_bytes(quantity: int | str, expected: int) -> None:
 def test_malformed_or_empty_quantities_are_rejected_with_the_accepted_forms(
     quantity: int | str,
 ) -> None:
-    with pytest.raises(ValueError, match="2Gi|positive|at least one byte"):
+    with pytest.raises(ValueError, match=r"2Gi|positive|at least one byte"):
         parse_bytes(quantity)
 
 

@@ -1,0 +1,294 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from kvtier.operator.children import (
+    ClusterFeatures,
+    cache_tier_children,
+    model_recipe_children,
+)
+from kvtier.operator.spec import SecretKeyRef, parse_cache_tier, parse_model_recipe
+from tests.operator import crdschema
+from tests.operator.bodies import cache_tier, model_recipe
+
+# The oldest and newest Kubernetes schemas kubernetes-validate ships.
+KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
+DEFAULT_IMAGE = "ghcr.io/kvtier/kvtier:test"
+AUTH = SecretKeyRef("tier-auth", "token")
+GRPC_PROBES = ClusterFeatures(grpc_probes=True)
+
+TIERS = {
+    "defaults": {},
+    "everything": {
+        "replicas": 3, "image": "kvtier:1", "ramBytes": "8Gi",
+        "disk": {"size": "100Gi", "storageClassName": "local-nvme"},
+        "redis": {"url": "rediss://redis:6380/0", "cluster": True,
+                  "passwordSecretRef": {"name": "redis", "key": "pw"}},
+        "authSecretRef": {"name": "tier-auth"},
+        "metrics": {"enabled": False},
+        "resources": {"requests": {"cpu": "2", "memory": "9Gi"}, "limits": {"memory": "10Gi"}},
+    },
+    "ram only": {"disk": {"enabled": False}, "ramBytes": 1073741824},
+}  # fmt: skip
+
+RECIPES = {
+    "defaults": {},
+    "everything": {
+        "engine": {"image": "vllm:1", "args": ["--max-model-len", "8192"], "replicas": 2, "gpus": 4,
+                   "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
+        "cache": {"chunkSize": 512, "codec": "zstd", "saltPolicy": "namespace", "encoderCache": True},
+        "tier": {"inline": TIERS["everything"]},
+    },
+    "cpu only": {"engine": {"image": "vllm:cpu", "gpus": 0}},
+}  # fmt: skip
+
+
+def tier_children(features: ClusterFeatures = GRPC_PROBES, **spec: Any) -> list[dict[str, Any]]:
+    return cache_tier_children(parse_cache_tier(cache_tier(**spec)), DEFAULT_IMAGE, features)
+
+
+def recipe_children(tier_auth: SecretKeyRef | None = None, **spec: Any) -> list[dict[str, Any]]:
+    return model_recipe_children(parse_model_recipe(model_recipe(**spec)), tier_auth)
+
+
+def by_kind(children: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (found,) = [c for c in children if c["kind"] == kind and name in (None, c["metadata"]["name"])]
+    return found
+
+
+def builtin_children() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for variant, spec in TIERS.items():
+        for grpc in (True, False):
+            for child in tier_children(ClusterFeatures(grpc_probes=grpc), **spec):
+                out.append((f"tier {variant} grpc={grpc}: {child['kind']}", child))
+    for variant, spec in RECIPES.items():
+        for child in recipe_children(AUTH, **spec):
+            if child["kind"] != "CacheTier":
+                out.append((f"recipe {variant}: {child['kind']}", child))
+    return out
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(
+    ("variant", "child"), builtin_children(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_built_in_child_validates_strictly_against_the_kubernetes_schemas(
+    variant: str, child: dict[str, Any], version: str
+) -> None:
+    kubernetes_validate.validate(child, version, strict=True)
+
+
+@pytest.mark.parametrize("variant", RECIPES)
+def test_an_inline_tier_child_validates_against_the_cachetier_crd(variant: str) -> None:
+    for child in recipe_children(**RECIPES[variant]):
+        if child["kind"] == "CacheTier":
+            crdschema.validate(child)
+
+
+def test_every_child_is_controlled_by_its_parent_and_labelled_with_it() -> None:
+    for child in tier_children() + recipe_children(tier={"inline": {}}):
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner["controller"] is True and owner["blockOwnerDeletion"] is True
+        assert owner["apiVersion"] == "kvtier.io/v1alpha1"
+        assert child["metadata"]["namespace"] == "ml"
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvtier-operator"
+        assert child["metadata"]["labels"]["app.kubernetes.io/instance"] == owner["name"]
+
+
+def test_a_tier_is_a_configmap_a_statefulset_and_two_services() -> None:
+    names = [(c["kind"], c["metadata"]["name"]) for c in tier_children()]
+    assert names == [
+        ("ConfigMap", "shared-settings"), ("StatefulSet", "shared"),
+        ("Service", "shared-headless"), ("Service", "shared"),
+    ]  # fmt: skip
+
+
+def test_tier_settings_are_the_server_flags_as_env_vars() -> None:
+    settings = by_kind(tier_children(**TIERS["everything"]), "ConfigMap")["data"]
+    assert settings == {
+        "KVTIER_HOST": "0.0.0.0",
+        "KVTIER_PORT": "50051",
+        "KVTIER_METRICS_PORT": "0",
+        "KVTIER_RAM_BYTES": str(8 * 2**30),
+        "KVTIER_DISK_DIR": "/var/lib/kvtier",
+        "KVTIER_DISK_BYTES": str(int(100 * 2**30 * 0.9)),
+        "KVTIER_REDIS_URL": "rediss://redis:6380/0",
+        "KVTIER_REDIS_CLUSTER": "true",
+        "KVTIER_AUTH_TOKEN_FILE": "/etc/kvtier/auth/token",
+    }
+
+
+def test_the_tier_server_reads_its_settings_and_the_redis_password_from_kubernetes_objects() -> (
+    None
+):
+    statefulset = by_kind(tier_children(**TIERS["everything"]), "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["kvtier", "server"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "shared-settings"}}]
+    assert container["env"] == [{
+        "name": "KVTIER_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "redis", "key": "pw"}},
+    }]  # fmt: skip
+
+
+def test_the_tier_disk_is_one_claim_per_replica_of_the_requested_size_and_class() -> None:
+    statefulset = by_kind(tier_children(**TIERS["everything"]), "StatefulSet")
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    assert claim["spec"]["storageClassName"] == "local-nvme"
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert {"name": "data", "mountPath": "/var/lib/kvtier"} in container["volumeMounts"]
+
+
+def test_a_ram_only_tier_has_no_claim_and_no_disk_settings() -> None:
+    children = tier_children(**TIERS["ram only"])
+    assert "volumeClaimTemplates" not in by_kind(children, "StatefulSet")["spec"]
+    assert "KVTIER_DISK_DIR" not in by_kind(children, "ConfigMap")["data"]
+
+
+def test_tier_memory_is_the_ram_tier_plus_headroom_unless_resources_are_given() -> None:
+    (container,) = by_kind(tier_children(ramBytes="2Gi"), "StatefulSet")["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert container["resources"] == {
+        "requests": {"memory": "2560Mi"},
+        "limits": {"memory": "2560Mi"},
+    }
+    (container,) = by_kind(tier_children(**TIERS["everything"]), "StatefulSet")["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert container["resources"]["limits"] == {"memory": "10Gi"}
+
+
+def test_tier_probes_use_grpc_health_and_fall_back_to_tcp_before_kubernetes_1_24() -> None:
+    for grpc, expected in (
+        (True, {"grpc": {"port": 50051}}),
+        (False, {"tcpSocket": {"port": 50051}}),
+    ):
+        statefulset = by_kind(tier_children(ClusterFeatures(grpc_probes=grpc)), "StatefulSet")
+        (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert expected.items() <= container[probe].items()
+
+
+def test_metrics_on_names_the_port_and_adds_scrape_annotations_and_off_removes_them() -> None:
+    on, off = tier_children(), tier_children(metrics={"enabled": False})
+    assert [p["name"] for p in by_kind(on, "Service", "shared")["spec"]["ports"]] == [
+        "grpc",
+        "metrics",
+    ]
+    assert [p["name"] for p in by_kind(off, "Service", "shared")["spec"]["ports"]] == ["grpc"]
+    annotations = by_kind(on, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9400"
+    assert (
+        "prometheus.io/scrape"
+        not in by_kind(off, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
+    )
+
+
+def test_changing_a_tier_setting_changes_the_pod_template_so_pods_roll() -> None:
+    def template_hash(**spec: Any) -> str:
+        statefulset = by_kind(tier_children(**spec), "StatefulSet")
+        return str(
+            statefulset["spec"]["template"]["metadata"]["annotations"]["kvtier.io/settings-hash"]
+        )
+
+    assert template_hash(ramBytes="2Gi") == template_hash(ramBytes="2Gi")
+    assert template_hash(ramBytes="2Gi") != template_hash(ramBytes="3Gi")
+
+
+def test_a_recipe_is_a_configmap_a_deployment_and_a_service_plus_its_inline_tier() -> None:
+    names = [(c["kind"], c["metadata"]["name"]) for c in recipe_children(tier={"inline": {}})]
+    assert names == [
+        ("CacheTier", "qwen-tier"), ("ConfigMap", "qwen-kvtier"),
+        ("Deployment", "qwen"), ("Service", "qwen"),
+    ]  # fmt: skip
+
+
+def test_the_kv_transfer_config_loads_the_kvtier_connector_pointed_at_the_tier_service() -> None:
+    config = by_kind(recipe_children(), "ConfigMap")["data"]
+    assert set(config) == {"kv-transfer-config.json"}
+    assert json.loads(config["kv-transfer-config.json"]) == {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "target": "shared.ml.svc:50051", "chunk_size": 256, "codec": "none", "salt_policy": "request",
+        },
+    }  # fmt: skip
+
+
+def test_the_engine_gets_the_transfer_configs_from_the_configmap_through_env_vars() -> None:
+    deployment = by_kind(recipe_children(cache={"encoderCache": True}), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"][:6] == [
+        "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--revision", "main", "--port", "8000",
+    ]  # fmt: skip
+    assert container["args"][6:] == [
+        "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)",
+        "--ec-transfer-config", "$(KVTIER_EC_TRANSFER_CONFIG)",
+    ]  # fmt: skip
+    sources = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in container["env"]}
+    assert sources == {
+        "KVTIER_KV_TRANSFER_CONFIG": {"name": "qwen-kvtier", "key": "kv-transfer-config.json"},
+        "KVTIER_EC_TRANSFER_CONFIG": {"name": "qwen-kvtier", "key": "ec-transfer-config.json"},
+    }
+
+
+def test_the_encoder_cache_config_loads_the_kvtier_ec_connector() -> None:
+    config = by_kind(recipe_children(cache={"encoderCache": True}), "ConfigMap")["data"]
+    ec = json.loads(config["ec-transfer-config.json"])
+    assert (ec["ec_connector"], ec["ec_connector_module_path"], ec["ec_role"]) == (
+        "KvtierECConnector", "kvtier.connector.ec", "ec_both",
+    )  # fmt: skip
+    assert ec["ec_connector_extra_config"]["target"] == "shared.ml.svc:50051"
+
+
+def test_user_args_come_after_the_operators_own() -> None:
+    deployment = by_kind(recipe_children(**RECIPES["everything"]), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"][-2:] == ["--max-model-len", "8192"]
+
+
+def test_gpus_become_an_nvidia_gpu_limit_and_zero_gpus_none() -> None:
+    def limits(**spec: Any) -> dict[str, Any]:
+        (container,) = by_kind(recipe_children(**spec), "Deployment")["spec"]["template"]["spec"][
+            "containers"
+        ]
+        return dict(container["resources"].get("limits", {}))
+
+    assert limits(**RECIPES["everything"]) == {"nvidia.com/gpu": "4"}
+    assert limits(**RECIPES["cpu only"]) == {}
+
+
+def test_the_namespace_salt_policy_salts_keys_with_the_namespace() -> None:
+    config = by_kind(recipe_children(cache={"saltPolicy": "namespace"}), "ConfigMap")["data"]
+    extra = json.loads(config["kv-transfer-config.json"])["kv_connector_extra_config"]
+    assert (extra["salt_policy"], extra["salt"]) == ("namespace", "ml")
+
+
+def test_a_tier_with_auth_mounts_its_token_into_the_engine_too() -> None:
+    children = recipe_children(AUTH)
+    extra = json.loads(by_kind(children, "ConfigMap")["data"]["kv-transfer-config.json"])
+    assert extra["kv_connector_extra_config"]["auth_token_file"] == "/etc/kvtier/auth/token"
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-auth")
+    assert volume["secret"] == {
+        "secretName": "tier-auth",
+        "items": [{"key": "token", "path": "token"}],
+    }
+
+
+def test_a_new_kv_transfer_config_changes_the_engine_template_so_engines_roll() -> None:
+    def template_hash(**spec: Any) -> str:
+        deployment = by_kind(recipe_children(**spec), "Deployment")
+        return str(
+            deployment["spec"]["template"]["metadata"]["annotations"]["kvtier.io/settings-hash"]
+        )
+
+    assert template_hash(cache={"chunkSize": 256}) != template_hash(cache={"chunkSize": 512})
