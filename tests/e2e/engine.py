@@ -11,6 +11,7 @@ process, so the parent needs no image library.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -138,6 +139,10 @@ class EngineProcess:
                 self.proc.wait(30)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

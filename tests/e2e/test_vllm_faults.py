@@ -1,0 +1,147 @@
+"""A tier that is absent, dies mid-load or freezes: every request completes, by recomputing,
+with the same output as without a cache, and the engine never hangs.
+
+Engine W writes straight to the tier. Engine F reaches it through a ``FaultProxy``
+(to fail the tier at an exact byte) with short deadlines (``FAST_FAULTS``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import FAST_FAULTS
+from tests.e2e.engine import EngineProcess
+from tests.e2e.faultproxy import FaultProxy
+from tests.tierproc import TierProcess
+from tests.tinymodels import prompt_text
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+PROMPT_WORDS = 330  # 3 full chunks
+CHUNK_BYTES = 131_162  # one chunk of the tiny model on the wire
+
+
+@pytest.fixture(scope="module")
+def proxy(module_tier: TierProcess) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(("127.0.0.1", module_tier.port)).listen()
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="module")
+def writer(text_model: Path, module_tier, start_engine: Callable[..., EngineProcess]):
+    return start_engine(text_model, name="w", extra_config={"target": module_tier.target})
+
+
+@pytest.fixture(scope="module")
+def faulty(text_model: Path, proxy: FaultProxy, start_engine: Callable[..., EngineProcess]):
+    return start_engine(text_model, name="f", extra_config={"target": proxy.target, **FAST_FAULTS})
+
+
+@pytest.fixture
+def healthy(module_tier: TierProcess, proxy: FaultProxy, writer, faulty) -> None:
+    """Each test starts with the tier up, the proxy passing bytes, and engine F
+    loading from the tier again (breaker closed, gRPC reconnected)."""
+    if module_tier.proc is None or module_tier.proc.poll() is not None:
+        module_tier.restart()
+    module_tier.thaw()
+    proxy.release()
+    if proxy._server is None:
+        proxy.listen()
+    probe, _ = computed_by_writer(writer, seed=99)
+    deadline = time.monotonic() + 30
+    while faulty.generate([probe])[0].num_cached_tokens == 0:
+        assert time.monotonic() < deadline, "engine F did not recover"
+        time.sleep(0.2)
+
+
+def computed_by_writer(writer: EngineProcess, seed: int) -> tuple[dict[str, str], list[int]]:
+    prompt = {"prompt": prompt_text(PROMPT_WORDS, seed=seed)}
+    (out,) = writer.generate([prompt])
+    assert out.num_cached_tokens == 0 or seed == 99  # the no-cache reference
+    writer.flush()
+    return prompt, out.token_ids
+
+
+def delta(engine: EngineProcess, before: dict[str, float], name: str) -> float:
+    return engine.stats().get(name, 0) - before.get(name, 0)
+
+
+def test_engine_serves_while_tier_absent(writer, faulty, proxy, healthy) -> None:
+    prompt, expected = computed_by_writer(writer, seed=10)
+    proxy.close()  # nothing listens on the tier's address
+    before = faulty.stats()
+
+    outs = faulty.generate([prompt, prompt, prompt])
+
+    assert [o.token_ids for o in outs] == [expected] * 3
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    assert delta(faulty, before, "errors:lookup") >= 1
+
+
+def test_tier_killed_mid_load_recomputes(writer, faulty, proxy, module_tier, healthy) -> None:
+    prompt, expected = computed_by_writer(writer, seed=11)
+    before = faulty.stats()
+    proxy.cut_after(CHUNK_BYTES + CHUNK_BYTES // 2)  # in the middle of the second chunk
+    started = time.monotonic()
+
+    (out,) = faulty.generate([prompt])
+
+    assert proxy.tripped
+    module_tier.kill()
+    assert out.token_ids == expected
+    assert delta(faulty, before, "load_failed_blocks") == 6  # all 3 chunks of 2 blocks
+    assert delta(faulty, before, "errors:load") == 1
+    assert time.monotonic() - started < 10
+    (again,) = faulty.generate([prompt])  # the tier is gone for good now
+    assert again.token_ids == expected
+
+
+def test_tier_frozen_mid_load_recomputes_within_deadline(writer, faulty, proxy, healthy) -> None:
+    prompt, expected = computed_by_writer(writer, seed=12)
+    before = faulty.stats()
+    proxy.stall_after(CHUNK_BYTES // 2)
+    started = time.monotonic()
+
+    (out,) = faulty.generate([prompt])
+
+    elapsed = time.monotonic() - started
+    proxy.release()
+    assert out.token_ids == expected
+    assert delta(faulty, before, "load_failed_blocks") == 6
+    assert elapsed < FAST_FAULTS["load_timeout_s"] + 5
+
+
+def test_frozen_tier_opens_breaker_then_probe_closes_it(
+    writer, faulty, module_tier, healthy
+) -> None:
+    prompt, expected = computed_by_writer(writer, seed=13)
+    module_tier.freeze()  # SIGSTOP: connections stay open, nothing answers
+    before = faulty.stats()
+    try:
+        started = time.monotonic()
+        outs = [faulty.generate([prompt])[0] for _ in range(4)]
+        elapsed = time.monotonic() - started
+    finally:
+        module_tier.thaw()
+
+    assert [o.token_ids for o in outs] == [expected] * 4
+    assert delta(faulty, before, "breaker_opened") >= 1
+    assert delta(faulty, before, "errors:lookup") >= FAST_FAULTS["breaker_failures"]
+    assert delta(faulty, before, "calls_skipped:lookup") >= 1
+    # Two lookups wait out their deadline; the open breaker spares the rest.
+    assert elapsed < 2 * FAST_FAULTS["lookup_timeout_s"] + 5
+
+    deadline = time.monotonic() + 20
+    while True:  # after the cool-down one probe goes through and the hits come back
+        time.sleep(FAST_FAULTS["breaker_cooldown_s"])
+        (out,) = faulty.generate([prompt])
+        if out.num_cached_tokens or time.monotonic() > deadline:
+            break
+    assert out.num_cached_tokens == 3 * CHUNK
+    assert out.token_ids == expected
