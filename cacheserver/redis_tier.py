@@ -19,7 +19,8 @@ Storage: a value is one Redis string, the record of ``kvtier.cacheserver.record`
 (header + key + value), under ``KEY_PREFIX + key``. ``SET`` replaces a value
 atomically; with ``ttl_s`` it also expires. A record that fails verification
 (flipped bits, truncated, another key's record, garbage) is deleted, counted and
-served as a miss. Redis keeps its own capacity: it evicts by its
+served as a miss (a good value written between that read and the delete is
+lost too: one extra miss). Redis keeps its own capacity: it evicts by its
 ``maxmemory-policy`` (use ``allkeys-lru`` for a cache), and a server that
 refuses writes when full (``noeviction``) makes ``put`` return False. Redis caps
 one value at ``proto-max-bulk-len`` (512 MB by default); records larger than
@@ -28,6 +29,9 @@ one value at ``proto-max-bulk-len`` (512 MB by default); records larger than
 Failures: every network step (connecting, sending a command, reading its reply)
 is bounded by ``timeout_s``, so a stopped or unreachable Redis raises
 ``TierFailure`` after about ``timeout_s``; a refused connection raises at once.
+The bound covers a whole value's transfer too: size it for the largest value
+under load (64 MiB takes ~45 ms on an idle loopback, several times that on a
+busy host).
 Connections are re-made on the next call, so the tier recovers by itself when
 Redis comes back. Errors carry only the exception type, never keys or values.
 
