@@ -26,12 +26,12 @@ import hashlib
 import logging
 import os
 import secrets
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.cacheserver import record
 from kvtier.cacheserver.errors import TierFailure
+from kvtier.cacheserver.lru import ByteLru
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 
 logger = logging.getLogger(__name__)
@@ -42,13 +42,13 @@ _HEAD_READ = record.HEADER_SIZE + 512  # header + the longest namespaced key
 class DiskTier:
     name = "disk"
 
-    def __init__(self, directory: Path, capacity_bytes: int, *, fsync: bool = False) -> None:
+    def __init__(
+        self, directory: Path, capacity_bytes: int, *, fsync: bool = False, tenant_quota_bytes: int = 0
+    ) -> None:
         self.directory = directory
-        self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.counters = TierCounters()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> record size on disk
-        self._used = 0
+        self.lru = ByteLru(capacity_bytes, tenant_quota_bytes)  # the index: key -> record size
         self._root = directory / "v1"
         self._tmp = directory / "tmp"
 
@@ -60,12 +60,10 @@ class DiskTier:
             entries = await asyncio.to_thread(self._scan)
         except OSError as exc:
             raise TierFailure("disk", f"cannot open {self.directory}: {exc.strerror}") from exc
-        for key, size in entries:
-            self._index[key] = size
-            self._used += size
-        await self._evict_to(0)
+        victims = [v for key, size in entries for v in self.lru.admit(key, size)]
+        await self._unlink_evicted(victims)
         logger.info(
-            "disk tier at %s: %d entries, %d bytes recovered", self.directory, len(entries), self._used
+            "disk tier at %s: %d entries, %d bytes recovered", self.directory, len(self.lru), self.lru.used
         )
 
     def _scan(self) -> list[tuple[bytes, int]]:
@@ -97,14 +95,14 @@ class DiskTier:
     # -- the Tier protocol ---------------------------------------------------------
 
     async def get(self, key: bytes) -> memoryview | None:
-        if key not in self._index:
+        if key not in self.lru:
             self.counters.misses += 1
             return None
         path = self._path(key)
         try:
             blob = await asyncio.to_thread(_read_file, path)
         except FileNotFoundError:
-            self._forget(key)
+            self.lru.remove(key)
             self.counters.misses += 1
             return None
         except OSError as exc:
@@ -117,37 +115,29 @@ class DiskTier:
             self.counters.misses += 1
             await self.delete([key])
             return None
-        if key in self._index:
-            self._index.move_to_end(key)
+        self.lru.touch(key)
         self.counters.hits += 1
         return value
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._index for k in keys]
+        return [k in self.lru for k in keys]
 
     async def put(self, key: bytes, value: bytes | memoryview) -> bool:
         head = record.header(key, value)
         size = len(head) + memoryview(value).nbytes
-        if size > self.capacity_bytes:
+        if not self.lru.fits(size):
             return False
-        await self._evict_to(size)
-        old = self._index.pop(key, None)
-        if old is not None:
-            self._used -= old
-        # Reserve the space before the write so concurrent puts cannot overshoot.
-        self._used += size
+        # Admit (reserve the space) before the write, so concurrent puts cannot overshoot.
+        await self._unlink_evicted(self.lru.admit(key, size))
         try:
             await asyncio.to_thread(self._write, key, head, value)
         except OSError as exc:
-            self._used -= size
+            self.lru.remove(key)
             raise TierFailure("disk", f"write failed: {exc.strerror}") from exc
-        self._index[key] = size
         return True
 
     async def delete(self, keys: Sequence[bytes]) -> int:
-        present = [k for k in keys if k in self._index]
-        for key in present:
-            self._forget(key)
+        present = [k for k in keys if self.lru.remove(k) is not None]
         if present:
             try:
                 await asyncio.to_thread(self._unlink_many, present)
@@ -156,7 +146,7 @@ class DiskTier:
         return len(present)
 
     def usage(self) -> TierUsage:
-        return TierUsage(self._used, self.capacity_bytes, len(self._index))
+        return TierUsage(self.lru.used, self.lru.capacity_bytes, len(self.lru))
 
     async def ping(self) -> None:
         """Checks the directory is writable (a probe file written and removed)."""
@@ -175,17 +165,7 @@ class DiskTier:
         name = _file_name(key)
         return self._root / name[:2] / name
 
-    def _forget(self, key: bytes) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._used -= size
-
-    async def _evict_to(self, incoming: int) -> None:
-        victims: list[bytes] = []
-        while self._index and self._used + incoming > self.capacity_bytes:
-            key, size = self._index.popitem(last=False)
-            self._used -= size
-            victims.append(key)
+    async def _unlink_evicted(self, victims: list[bytes]) -> None:
         if victims:
             self.counters.evictions += len(victims)
             try:

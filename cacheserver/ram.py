@@ -1,72 +1,73 @@
-"""The RAM tier: an LRU of values bounded in bytes.
+"""The RAM tier: an LRU of values bounded in bytes (and per tenant, with quotas).
 
 Values stay in process memory as they arrived (immutable bytes, or read-only
 memoryviews over the received message or reassembly buffer), so a get hands
 out the stored object itself (no copy) and no verification is needed (nothing
-at rest can corrupt it). Single-threaded: it is only touched
-from the server's event loop.
+at rest can corrupt it). Single-threaded: it is only touched from the server's
+event loop.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvtier.cacheserver.lru import ByteLru
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 
 
 class RamTier:
     name = "ram"
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int, *, tenant_quota_bytes: int = 0) -> None:
         self.counters = TierCounters()
-        self._entries: OrderedDict[bytes, bytes | memoryview] = OrderedDict()
-        self._used = 0
+        self.lru = ByteLru(capacity_bytes, tenant_quota_bytes)
+        self._values: dict[bytes, bytes | memoryview] = {}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.lru.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:
+        self.lru.capacity_bytes = value
 
     async def get(self, key: bytes) -> bytes | memoryview | None:
-        value = self._entries.get(key)
+        value = self._values.get(key)
         if value is None:
             self.counters.misses += 1
             return None
-        self._entries.move_to_end(key)
+        self.lru.touch(key)
         self.counters.hits += 1
         return value
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._entries for k in keys]
+        return [k in self._values for k in keys]
 
     async def put(self, key: bytes, value: bytes | memoryview) -> bool:
         data = value if isinstance(value, bytes) else value.toreadonly()
         size = memoryview(data).nbytes
-        if size > self.capacity_bytes:
+        if not self.lru.fits(size):
             return False
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._used -= memoryview(old).nbytes
-        while self._used + size > self.capacity_bytes and self._entries:
-            _, evicted = self._entries.popitem(last=False)
-            self._used -= memoryview(evicted).nbytes
+        for victim in self.lru.admit(key, size):
+            del self._values[victim]
             self.counters.evictions += 1
-        self._entries[key] = data
-        self._used += size
+        self._values[key] = data
         return True
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         n = 0
         for key in keys:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._used -= memoryview(old).nbytes
+            if self.lru.remove(key) is not None:
+                del self._values[key]
                 n += 1
         return n
 
     def usage(self) -> TierUsage:
-        return TierUsage(self._used, self.capacity_bytes, len(self._entries))
+        return TierUsage(self.lru.used, self.lru.capacity_bytes, len(self.lru))
 
     async def ping(self) -> None:
         return None
 
     async def close(self) -> None:
-        self._entries.clear()
-        self._used = 0
+        self._values.clear()
+        self.lru = ByteLru(self.lru.capacity_bytes, self.lru.tenant_quota_bytes)

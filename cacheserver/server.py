@@ -20,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvtier.cacheserver.auth import TokenAuth
 from kvtier.cacheserver.disk import DiskTier
 from kvtier.cacheserver.metrics import ServerMetrics, TierCollector
 from kvtier.cacheserver.ram import RamTier
@@ -63,9 +64,12 @@ class RunningServer:
 
 
 async def build_tiers(settings: Settings) -> list[Tier]:
-    tiers: list[Tier] = [RamTier(settings.ram_bytes)]
+    quota = settings.tenant_quota_bytes
+    tiers: list[Tier] = [RamTier(settings.ram_bytes, tenant_quota_bytes=quota)]
     if settings.disk_bytes > 0 and settings.disk_dir is not None:
-        disk = DiskTier(settings.disk_dir, settings.disk_bytes, fsync=settings.disk_fsync)
+        disk = DiskTier(
+            settings.disk_dir, settings.disk_bytes, fsync=settings.disk_fsync, tenant_quota_bytes=quota
+        )
         await disk.open()
         tiers.append(disk)
     if settings.redis_url:
@@ -97,8 +101,21 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-async def start(settings: Settings, *, tenant_of: TenantOf = default_tenant) -> RunningServer:
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    pair = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
+    if settings.tls_client_ca_file is None:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=settings.tls_client_ca_file.read_bytes(), require_client_auth=True
+    )
+
+
+async def start(settings: Settings, *, tenant_of: TenantOf | None = None) -> RunningServer:
     """Starts a tier in the running event loop and returns once it accepts calls."""
+    if tenant_of is None:
+        tenant_of = TokenAuth(settings.auth_tokens).tenant if settings.auth_tokens else default_tenant
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
     tiers = await build_tiers(settings)
@@ -123,7 +140,12 @@ async def start(settings: Settings, *, tenant_of: TenantOf = default_tenant) -> 
         ),
         server,
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(settings)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         await store.close()
         raise OSError(f"cannot listen on {settings.host}:{settings.port} (in use or not an address of this host)")

@@ -25,13 +25,15 @@ from kvtier.proto import SERVICE_NAME, cache_pb2, wire
 
 logger = logging.getLogger(__name__)
 
-TenantOf = Callable[[grpc.aio.ServicerContext[object, object]], str]
+# Maps a call's metadata to its tenant; raises Unauthenticated (see kvtier.cacheserver.auth).
+Metadata = Sequence[tuple[str, str | bytes]]
+TenantOf = Callable[[Metadata | None], str]
 
 # Put frames may be up to this large (a client chooses its frame size).
 MAX_PUT_FRAME_BYTES = 16 << 20
 
 
-def default_tenant(_context: grpc.aio.ServicerContext[object, object]) -> str:
+def default_tenant(_metadata: object) -> str:
     return DEFAULT_TENANT
 
 
@@ -79,31 +81,23 @@ class CacheServicer:
 
     # -- unary calls ------------------------------------------------------------------
 
-    async def lookup(
-        self, request: cache_pb2.LookupRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> cache_pb2.LookupResponse:
+    async def lookup(self, request: cache_pb2.LookupRequest, tenant: str) -> cache_pb2.LookupResponse:
         self._no_unknown_fields(request)
         keys = list(request.keys)
         self._keys(keys, "LookupRequest.keys")
-        tenant = self.tenant_of(context)
         n = await self.store.lookup([scoped(tenant, k) for k in keys])
         self.metrics.lookup_keys.inc(len(keys))
         self.metrics.lookup_hit_keys.inc(n)
         return cache_pb2.LookupResponse(prefix_length=n)
 
-    async def delete(
-        self, request: cache_pb2.DeleteRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> cache_pb2.DeleteResponse:
+    async def delete(self, request: cache_pb2.DeleteRequest, tenant: str) -> cache_pb2.DeleteResponse:
         self._no_unknown_fields(request)
         keys = list(request.keys)
         self._keys(keys, "DeleteRequest.keys")
-        tenant = self.tenant_of(context)
         n = await self.store.delete([scoped(tenant, k) for k in keys])
         return cache_pb2.DeleteResponse(deleted=n)
 
-    async def stats(
-        self, request: cache_pb2.StatsRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> cache_pb2.StatsResponse:
+    async def stats(self, request: cache_pb2.StatsRequest, tenant: str) -> cache_pb2.StatsResponse:
         self._no_unknown_fields(request)
         tiers = []
         for tier in self.store.tiers:
@@ -125,18 +119,15 @@ class CacheServicer:
             max_value_bytes=self.settings.max_value_bytes,
             frame_bytes=self.settings.frame_bytes,
             max_keys_per_request=self.settings.max_keys,
-            tenant=self.tenant_of(context),
+            tenant=tenant,
         )
 
     # -- streams (raw frames) -------------------------------------------------------
 
-    async def get(
-        self, request: cache_pb2.GetRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> AsyncIterator[bytes]:
+    async def get(self, request: cache_pb2.GetRequest, tenant: str) -> AsyncIterator[bytes]:
         self._no_unknown_fields(request)
         keys = list(request.keys)
         self._keys(keys, "GetRequest.keys")
-        tenant = self.tenant_of(context)
         frame = self.settings.frame_bytes - wire.FRAME_OVERHEAD
         hits = misses = 0
         try:
@@ -158,10 +149,7 @@ class CacheServicer:
             self.metrics.get_keys.labels("hit").inc(hits)
             self.metrics.get_keys.labels("miss").inc(misses)
 
-    async def put(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[object, object]
-    ) -> cache_pb2.PutResponse:
-        tenant = self.tenant_of(context)
+    async def put(self, request_iterator: AsyncIterator[bytes], tenant: str) -> cache_pb2.PutResponse:
         stored = rejected = 0
         key: bytes | None = None
         buf: bytearray | None = None
@@ -270,9 +258,10 @@ class CacheServicer:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
+                tenant = self.tenant_of(_metadata(context))
                 if message is not None:
                     request = _parse(message, request)  # type: ignore[arg-type]
-                return await fn(request, context)  # type: ignore[misc]
+                return await fn(request, tenant)  # type: ignore[misc]
             except RequestError as exc:
                 code = exc.code
                 await context.abort(exc.code, str(exc))
@@ -301,7 +290,8 @@ class CacheServicer:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                async for frame in fn(_parse(message, request), context):
+                tenant = self.tenant_of(_metadata(context))
+                async for frame in fn(_parse(message, request), tenant):
                     yield frame
             except RequestError as exc:
                 code = exc.code
@@ -325,3 +315,8 @@ def _parse(message: type[Message], raw: bytes) -> Message:
         return message.FromString(raw)
     except DecodeError as exc:
         raise InvalidRequest(f"{message.__name__}: not a valid protobuf message ({exc})") from None
+
+
+def _metadata(context: grpc.aio.ServicerContext[object, object]) -> Metadata | None:
+    md = context.invocation_metadata()
+    return None if md is None else [(k, v) for k, v in md]

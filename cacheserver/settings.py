@@ -89,6 +89,11 @@ class Settings:
     max_key_bytes: int = 256
     grace_period_s: float = 10.0
     log_level: str = "info"
+    auth_tokens: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    tenant_quota_bytes: int = 0
 
     @property
     def target(self) -> str:
@@ -164,6 +169,15 @@ _FLAGS = [
     _Flag("max-keys", "max_keys", _positive_int, "most keys in one Lookup/Get/Delete", "a positive integer"),
     _Flag("max-key-bytes", "max_key_bytes", _positive_int, "longest key accepted", "a positive integer up to 1024"),
     _Flag("grace-period", "grace_period_s", parse_duration, "on SIGTERM, how long in-flight calls may finish", "a duration such as 10s"),
+    _Flag("auth-tokens", "auth_tokens", Path,
+          "bearer tokens: a directory with one file per tenant (a mounted Secret) or a file of 'tenant token' lines; "
+          "without it every caller is tenant 'default'", "a file or directory path"),
+    _Flag("tls-cert-file", "tls_cert_file", Path, "serve gRPC over TLS with this certificate (PEM)", "a file path"),
+    _Flag("tls-key-file", "tls_key_file", Path, "private key of --tls-cert-file (PEM)", "a file path"),
+    _Flag("tls-client-ca-file", "tls_client_ca_file", Path,
+          "require client certificates signed by this CA (mutual TLS)", "a file path"),
+    _Flag("tenant-quota-bytes", "tenant_quota_bytes", parse_size,
+          "most bytes one tenant may hold in the RAM tier and in the disk tier (0: no quota)", "a size such as 1GiB, or 0"),
     _Flag("log-level", "log_level", _choice("debug", "info", "warning", "error"), "log level", "debug, info, warning or error"),
 ]
 
@@ -244,6 +258,19 @@ def _check(s: Settings) -> None:
     ):
         if path is not None and not path.is_file():
             raise bad(flag, f"{path} is not a readable file")
+    for flag, path in (
+        ("tls-cert-file", s.tls_cert_file),
+        ("tls-key-file", s.tls_key_file),
+        ("tls-client-ca-file", s.tls_client_ca_file),
+    ):
+        if path is not None and not path.is_file():
+            raise bad(flag, f"{path} is not a readable file")
+    if (s.tls_cert_file is None) != (s.tls_key_file is None):
+        raise bad("tls-cert-file", "give both --tls-cert-file and --tls-key-file, or neither")
+    if s.tls_client_ca_file is not None and s.tls_cert_file is None:
+        raise bad("tls-client-ca-file", "mutual TLS needs --tls-cert-file and --tls-key-file too")
+    if s.auth_tokens is not None and not s.auth_tokens.exists():
+        raise bad("auth-tokens", f"{s.auth_tokens} does not exist")
     if (s.redis_tls_cert_file is None) != (s.redis_tls_key_file is None):
         raise bad("redis-tls-cert-file", "give both --redis-tls-cert-file and --redis-tls-key-file, or neither")
     if s.redis_ttl_s < 0:

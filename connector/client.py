@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
+from typing_extensions import Buffer
+
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2, wire
-from typing_extensions import Buffer
 
 DEFAULT_FRAME_BYTES = 4 << 20
 _UNAVAILABLE = {
@@ -42,19 +43,33 @@ class TierClient:
         token: str | None = None,
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         max_receive_bytes: int = 64 << 20,
+        tls: bool = False,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> None:
+        """``token``: bearer token of the caller's tenant. TLS is on when ``tls`` is set or
+        any ``tls_*`` file is given (``tls_ca_file``: the CA that signed the tier's
+        certificate, else the system roots; ``tls_cert_file``/``tls_key_file``: a client
+        certificate for mutual TLS)."""
         self.target = target
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_receive_bytes),
-                ("grpc.max_send_message_length", frame_bytes + (1 << 20)),
-                ("grpc.enable_retries", 0),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_send_message_length", frame_bytes + (1 << 20)),
+            ("grpc.enable_retries", 0),
+        ]
+        if tls or tls_ca_file or tls_cert_file or tls_key_file:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca_file),
+                private_key=_read(tls_key_file),
+                certificate_chain=_read(tls_cert_file),
+            )
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         path = f"/{SERVICE_NAME}/"
         self._lookup = self._channel.unary_unary(
             path + "Lookup",
@@ -194,6 +209,13 @@ class TierClient:
     @staticmethod
     def _frame(key: bytes, total: int, offset: int, pieces: list[memoryview]) -> bytes:
         return wire.encode_put_frame(key, total if key else 0, offset, *pieces)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 class _errors:

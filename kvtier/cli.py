@@ -45,6 +45,8 @@ def _server(argv: Sequence[str]) -> int:
 
     try:
         return asyncio.run(serve(settings))
+    except SettingsError as exc:
+        parser.error(str(exc))
     except (TierFailure, OSError) as exc:
         print(f"kvtier server: {exc}", file=sys.stderr)
         return 1
