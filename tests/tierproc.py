@@ -83,7 +83,10 @@ class TierProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvtier server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            if health_status(self.target, 0.5) == health_pb2.HealthCheckResponse.SERVING:
+            if "--tls-cert-file" in self.flags:  # no plaintext health check: wait for the log line
+                if "kvtier server listening on" in self.log.read_text():
+                    return
+            elif health_status(self.target, 0.5) == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(0.1)
         self.kill()
