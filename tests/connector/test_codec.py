@@ -10,6 +10,7 @@ import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvtier.connector.codec import (
     DTYPE_SIZES,
     FORMAT_VERSION,

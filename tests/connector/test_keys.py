@@ -24,6 +24,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtier.connector.errors import ConfigError
 from kvtier.connector.keys import (
     HASH_ALGOS,
