@@ -384,3 +384,37 @@ def test_the_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     for name in ("cache_pb2.py", "cache_pb2.pyi", "cache_pb2_grpc.py"):
         committed = (root / "proto" / "kvtier" / "v1" / name).read_text()
         assert (tmp_path / name).read_text() == committed, f"{name} is stale: run scripts/gen-proto"
+
+
+def test_a_graceful_shutdown_under_load_keeps_every_acknowledged_write_on_disk(
+    start_tier: Callable[..., TierProcess],
+) -> None:
+    tier = start_tier("--write-policy", "write-behind")
+    acknowledged: list[bytes] = []
+    stop = threading.Event()
+
+    def writer(n: int) -> None:
+        with TierClient(tier.target, timeout_s=5) as c:
+            i = 0
+            while not stop.is_set():
+                key = b"w%d-%d" % (n, i)
+                try:
+                    if c.put([(key, value(100_000, i))]) == 1:
+                        acknowledged.append(key)
+                except TierUnavailable:
+                    return
+                i += 1
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    assert tier.terminate() == 0
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert len(acknowledged) > 10
+    tier.restart()
+    with TierClient(tier.target) as c:
+        missing = [k for k in acknowledged if c.lookup([k]) != 1]
+    assert missing == [], f"{len(missing)} of {len(acknowledged)} acknowledged writes lost"
