@@ -121,6 +121,7 @@ async def start(settings: Settings, *, tenant_of: TenantOf | None = None) -> Run
     tiers = await build_tiers(settings)
     policy = StorePolicy(
         write_through=settings.write_policy == "write-through",
+        write_behind_bytes=settings.write_behind_bytes,
         tier_timeout_s=settings.tier_timeout_s,
     )
     store = TieredStore(tiers, policy, metrics)

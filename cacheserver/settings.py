@@ -82,6 +82,7 @@ class Settings:
     redis_timeout_s: float = 0.5
     redis_ttl_s: float = 0.0
     write_policy: str = "write-behind"
+    write_behind_bytes: int = 256 << 20
     tier_timeout_s: float = 1.0
     max_value_bytes: int = 256 << 20
     frame_bytes: int = 4 << 20
@@ -163,6 +164,9 @@ _FLAGS = [
     _Flag("write-policy", "write_policy", _choice("write-behind", "write-through"),
           "write-behind: Put returns once RAM holds the value; write-through: once every tier does",
           "write-behind or write-through"),
+    _Flag("write-behind-bytes", "write_behind_bytes", parse_size,
+          "most bytes waiting to be written behind to each lower tier (more: the copy is dropped and counted)",
+          "a size such as 256MiB"),
     _Flag("tier-timeout", "tier_timeout_s", parse_duration, "deadline of a disk/Redis operation before the tier is marked failing", "a duration such as 1s"),
     _Flag("max-value-bytes", "max_value_bytes", parse_size, "largest value (chunk) accepted", "a size such as 256MiB"),
     _Flag("frame-bytes", "frame_bytes", parse_size, "size of the frames Get sends", "a size from 64KiB to 16MiB"),

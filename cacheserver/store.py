@@ -38,7 +38,7 @@ class StorePolicy:
     write_through: bool = False
     # Bounds of each lower tier's write-behind pending set.
     write_behind_values: int = 1024
-    write_behind_bytes: int = 1 << 30
+    write_behind_bytes: int = 256 << 20
     tier_timeout_s: float = 1.0
     probe_interval_s: float = 1.0
     promote: bool = True
