@@ -62,11 +62,20 @@ def _operator(argv: Sequence[str]) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
-    try:
-        from kvtier.bench import main as bench_main  # type: ignore[import-not-found]
-    except ImportError:
-        print("kvtier bench: the benchmarks live in bench/ of a source checkout", file=sys.stderr)
+    """Runs bench/ of the source checkout this kvtier is installed from (editable install)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "cli.py").is_file():
+        print(
+            "kvtier bench: the benchmarks live in bench/ of a source checkout; "
+            "clone kvtier, run scripts/setup, then .venv/bin/kvtier bench",
+            file=sys.stderr,
+        )
         return 1
+    sys.path.insert(0, str(root))
+    from bench.cli import main as bench_main  # type: ignore[import-not-found,unused-ignore]
+
     return int(bench_main(list(argv)))
 
 
