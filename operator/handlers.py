@@ -2,7 +2,8 @@
 
 For each kind, create, update, resume and a timer (``resync_seconds``) share
 one idempotent path (``kvtier.operator.reconcile``); the timer is what brings
-back a deleted or edited child and notices children becoming ready. There is
+back a deleted or edited child and notices children becoming ready. It leaves
+a generation the change handlers have not finished alone. There is
 no delete handler and so no finalizer: children carry owner references and
 Kubernetes' garbage collector removes them with their parent.
 """
@@ -25,6 +26,10 @@ from kvtier.operator.spec import GROUP, VERSION
 logger = logging.getLogger(__name__)
 
 GRPC_PROBES_SINCE = (1, 24)
+# Ready reasons that need the user to act: worth a warning event when they appear.
+USER_PROBLEMS = frozenset(
+    {"InvalidSpec", "ChildConflict", "TierNotFound", "SecretNotFound", "SecretKeyNotFound"}
+)
 Reconcile = Callable[[Context, Mapping[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -73,15 +78,27 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             await runtime.context.client.close()
 
     def handler(reconcile: Reconcile) -> Callable[..., Awaitable[None]]:
-        async def handle(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        async def handle(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
             assert runtime.context is not None, "the startup handler runs first"
             try:
                 status = await reconcile(runtime.context, body)
             except KubeError as exc:
                 raise kopf.TemporaryError(str(exc), delay=config.retry_seconds) from exc
-            patch.status.update(status)
+            previous = body.get("status") or {}
+            if any(previous.get(key) != value for key, value in status.items()):
+                patch.status.update(status)
+            warn_on_new_problem(body, previous, status, logger)
 
         return handle
+
+    def resync(handle: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        async def maintain(body: kopf.Body, **kwargs: Any) -> None:
+            # A new generation is the change handlers' job: running now would race them.
+            observed = (body.get("status") or {}).get("observedGeneration")
+            if observed == body.get("metadata", {}).get("generation"):
+                await handle(body=body, **kwargs)
+
+        return maintain
 
     for plural, reconcile in (
         ("cachetiers", reconcile_cache_tier),
@@ -95,7 +112,24 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         kopf.timer(
             *resource, registry=registry, id="resync",
             interval=config.resync_seconds, initial_delay=config.resync_seconds,
-        )(handle)  # fmt: skip
+        )(resync(handle))  # fmt: skip
+
+
+def warn_on_new_problem(
+    body: kopf.Body, previous: Mapping[str, Any], status: Mapping[str, Any], logger: kopf.Logger
+) -> None:
+    """A warning log and Kubernetes event when ``Ready`` turns to a problem the user must fix."""
+    before, after = _ready(previous), _ready(status)
+    reason, message = after.get("reason"), after.get("message", "")
+    changed = (before.get("reason"), before.get("message")) != (reason, message)
+    if reason in USER_PROBLEMS and changed:
+        logger.warning("%s: %s", reason, message)
+        kopf.warn(body, reason=str(reason), message=message)
+
+
+def _ready(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    conditions = status.get("conditions") or []
+    return next((c for c in conditions if c.get("type") == "Ready"), {})
 
 
 def configure(settings: kopf.OperatorSettings) -> None:

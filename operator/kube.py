@@ -55,6 +55,7 @@ KINDS = {
         Kind("v1", "Secret", "secrets"),
         Kind("v1", "Service", "services"),
         Kind("v1", "Pod", "pods"),
+        Kind("v1", "Event", "events"),
         Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims"),
         Kind("v1", "Namespace", "namespaces", namespaced=False),
         Kind("apps/v1", "Deployment", "deployments"),

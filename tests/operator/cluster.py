@@ -12,6 +12,7 @@ from kvtier.operator.kube import KubeClient, kind_of
 
 T = TypeVar("T")
 POD = kind_of("v1", "Pod")
+EVENT = kind_of("v1", "Event")
 DEPLOYMENT = kind_of("apps/v1", "Deployment")
 STATEFULSET = kind_of("apps/v1", "StatefulSet")
 SERVICE = kind_of("v1", "Service")

@@ -7,6 +7,7 @@ Deployment controllers' status fields, which drive the operator's conditions.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -19,6 +20,7 @@ from tests.operator.cluster import (
     CACHE_TIER,
     CONFIGMAP,
     DEPLOYMENT,
+    EVENT,
     MODEL_RECIPE,
     SECRET,
     SERVICE,
@@ -81,7 +83,9 @@ async def test_a_cache_tier_gets_its_statefulset_services_and_settings(
     kube: KubeClient, namespace: str
 ) -> None:
     await kube.create(cache_tier(namespace, ramBytes="1Gi", disk={"size": "10Gi"}))
-    statefulset = await eventually(lambda: kube.get(STATEFULSET, namespace, "shared"))
+    await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready")
+    statefulset = await kube.get(STATEFULSET, namespace, "shared")
+    assert statefulset is not None
     pod = statefulset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["kvtier", "server"]
@@ -124,7 +128,9 @@ async def test_a_recipe_gets_a_vllm_deployment_wired_to_the_tier_service(
 ) -> None:
     await kube.create(cache_tier(namespace))
     await kube.create(model_recipe(namespace, cache={"chunkSize": 512, "encoderCache": True}))
-    deployment = await eventually(lambda: kube.get(DEPLOYMENT, namespace, "qwen"))
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "Ready")
+    deployment = await kube.get(DEPLOYMENT, namespace, "qwen")
+    assert deployment is not None
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     args = container["args"]
@@ -293,6 +299,23 @@ async def test_an_invalid_combination_is_reported_in_status_without_children(
     )
     assert "spec.cache.encoderCache" in condition(recipe, "Ready")["message"]
     assert await kube.get(DEPLOYMENT, namespace, "qwen") is None
+
+
+async def test_an_invalid_spec_is_posted_once_as_a_warning_event(
+    kube: KubeClient, namespace: str
+) -> None:
+    text_model = {"repo": "Qwen/Qwen2-0.5B", "architecture": "Qwen2ForCausalLM"}
+    await kube.create(model_recipe(namespace, model=text_model, cache={"encoderCache": True}))
+
+    async def warnings() -> list[dict[str, Any]]:
+        events = await kube.list(EVENT, namespace)
+        return [e for e in events if e["type"] == "Warning" and e["reason"] == "InvalidSpec"]
+
+    (event,) = await eventually(warnings, what="a warning event")
+    assert event["involvedObject"]["name"] == "qwen"
+    assert "spec.cache.encoderCache" in event["message"]
+    await asyncio.sleep(2.5)  # two more resyncs
+    assert len(await warnings()) == 1
 
 
 async def test_a_child_name_taken_by_a_foreign_object_is_reported_not_taken_over(
