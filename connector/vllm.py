@@ -32,20 +32,21 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connector.breaker import CircuitBreaker
-from kvtier.connector.client import TierClient
-from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.errors import ConfigError
-from kvtier.connector.keys import KeySpec
-from kvtier.connector.metadata import KvtierMetadata
-from kvtier.connector.metrics import KvtierConnectorStats, KvtierPromMetrics, Recorder
-from kvtier.connector.scheduler import KvtierScheduler
-from kvtier.connector.worker import KvtierWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.client import TierClient
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.errors import ConfigError, TierError
+from kvtier.connector.keys import KeySpec
+from kvtier.connector.metadata import KvtierMetadata
+from kvtier.connector.metrics import KvtierConnectorStats, KvtierPromMetrics, Recorder
+from kvtier.connector.scheduler import KvtierScheduler
+from kvtier.connector.worker import KvtierWorker
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +105,21 @@ class KvtierConnector(KVConnectorBase_V1):
             "kvtier: %s connector for %s, tier %s, chunk %d tokens, load=%s save=%s",
             role.name.lower(), specs[0].model_id, config.target, config.chunk_size, load, save,
         )  # fmt: skip
+        self._warm_up(config)
+
+    def _warm_up(self, config: ConnectorConfig) -> None:
+        """Open the connection now, so the first request's Lookup does not pay for it
+        (and the log says at once whether the tier is reachable)."""
+        try:
+            self._client.lookup([bytes(32)], timeout_s=min(2.0, config.load_timeout_s))
+        except TierError as exc:
+            logger.warning(
+                "kvtier: tier %s not reachable at start (%s); requests recompute until it is",
+                config.target,
+                exc,
+            )
+        else:
+            logger.info("kvtier: tier %s reachable", config.target)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import FAST_FAULTS
+from tests.e2e.conftest import FAST_FAULTS, RELAXED
 from tests.e2e.engine import EngineProcess
 from tests.e2e.faultproxy import FaultProxy
 from tests.tierproc import TierProcess
@@ -35,7 +35,8 @@ def proxy(module_tier: TierProcess) -> Iterator[FaultProxy]:
 
 @pytest.fixture(scope="module")
 def writer(text_model: Path, module_tier, start_engine: Callable[..., EngineProcess]):
-    return start_engine(text_model, name="w", extra_config={"target": module_tier.target})
+    config = {"target": module_tier.target, **RELAXED}
+    return start_engine(text_model, name="w", extra_config=config)
 
 
 @pytest.fixture(scope="module")

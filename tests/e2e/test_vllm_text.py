@@ -10,9 +10,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from kvtier.connector.client import TierClient
 from kvtier.connector.codec import decode_chunk, encode_chunk_bytes
-
+from tests.e2e.conftest import RELAXED
 from tests.e2e.engine import EngineProcess
 from tests.tierproc import TierProcess
 from tests.tinymodels import prompt_text
@@ -35,7 +36,7 @@ def tier(module_dir: Path) -> Iterator[TierProcess]:
 def engines(
     text_model: Path, tier: TierProcess, start_engine: Callable[..., EngineProcess]
 ) -> tuple[EngineProcess, EngineProcess]:
-    config = {"target": tier.target, "chunk_size": CHUNK}
+    config = {"target": tier.target, "chunk_size": CHUNK, **RELAXED}
     return (
         start_engine(text_model, name="a", extra_config=config),
         start_engine(text_model, name="b", extra_config=config),

@@ -40,7 +40,7 @@ _WORDS = (
 
 
 def prompt_text(n_words: int, seed: int = 0) -> str:
-    """Deterministic pseudo-English text (about one token per word for this tokenizer)."""
+    """Deterministic pseudo-English text (two to three tokens per word for this tokenizer)."""
     rng = random.Random(seed)
     return " ".join(rng.choice(_WORDS) + str(rng.randrange(100)) for _ in range(n_words))
 
