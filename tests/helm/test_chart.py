@@ -1,0 +1,293 @@
+"""The chart as rendered by the real ``helm``, for every scenario under ``helm/kvtier/ci/``.
+
+Built-in objects are validated against the official Kubernetes schemas
+(kubernetes-validate, strict), the default CacheTier against the project's
+own CRD, and every pod against the Pod Security "restricted" profile.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.helm.conftest import CHART, ROOT, SCENARIOS, Helm, scenario_flags
+from tests.operator import crdschema
+
+KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
+CUSTOM_KINDS = {"CacheTier", "ModelRecipe", "ServiceMonitor", "PrometheusRule"}
+POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "Pod"}
+scenarios = pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda p: p.name)
+
+
+def render(helm: Helm, scenario: Path) -> list[dict[str, Any]]:
+    return helm.template(scenario, flags=scenario_flags(scenario))
+
+
+def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [obj for obj in of_kind(objects, kind) if obj["metadata"]["name"] == name]
+    return found
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for obj in objects:
+        if obj["kind"] == "Pod":
+            yield f"Pod {obj['metadata']['name']}", obj["spec"]
+        elif obj["kind"] in POD_KINDS:
+            yield f"{obj['kind']} {obj['metadata']['name']}", obj["spec"]["template"]["spec"]
+
+
+@scenarios
+def test_the_chart_lints_strictly(helm: Helm, scenario: Path) -> None:
+    helm.run("lint", "--strict", CHART, "--values", scenario)
+
+
+@scenarios
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_rendered_built_in_object_validates_strictly(
+    helm: Helm, scenario: Path, version: str
+) -> None:
+    for obj in render(helm, scenario):
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@scenarios
+def test_the_default_cache_tier_validates_against_the_cachetier_crd(
+    helm: Helm, scenario: Path
+) -> None:
+    for tier in of_kind(render(helm, scenario), "CacheTier"):
+        crdschema.validate(tier)
+
+
+@scenarios
+def test_every_pod_meets_the_restricted_pod_security_profile(helm: Helm, scenario: Path) -> None:
+    specs = list(pod_specs(render(helm, scenario)))
+    assert specs
+    for where, spec in specs:
+        pod_security = spec["securityContext"]
+        assert pod_security["runAsNonRoot"] is True, where
+        assert pod_security["runAsUser"] != 0, where
+        assert pod_security["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert not any(spec.get(host) for host in ("hostNetwork", "hostPID", "hostIPC")), where
+        for volume in spec.get("volumes", []):
+            assert set(volume) - {"name"} <= {"emptyDir", "secret", "configMap", "projected",
+                                              "persistentVolumeClaim"}, where  # fmt: skip
+        for container in spec["containers"] + spec.get("initContainers", []):
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False, where
+            assert security["capabilities"] == {"drop": ["ALL"]}, where
+            assert security["readOnlyRootFilesystem"] is True, where
+            assert security.get("privileged", False) is False, where
+            assert security["runAsNonRoot"] is True, where
+
+
+@scenarios
+def test_no_rbac_rule_uses_a_wildcard(helm: Helm, scenario: Path) -> None:
+    for obj in render(helm, scenario):
+        for rule in obj.get("rules", []) if obj["kind"] in {"Role", "ClusterRole"} else []:
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert not any("*" in item for item in rule.get(field, [])), (obj, rule)
+
+
+def test_the_chart_ships_the_operators_crds_byte_for_byte() -> None:
+    shipped = sorted(path.name for path in (CHART / "crds").glob("*.yaml"))
+    source = sorted(path.name for path in (ROOT / "operator" / "crds").glob("*.yaml"))
+    assert shipped == source
+    for name in source:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "operator" / "crds" / name).read_bytes(), (
+            f"helm/kvtier/crds/{name} differs from operator/crds/{name}: "
+            "cp operator/crds/*.yaml helm/kvtier/crds/"
+        )
+
+
+def test_the_chart_renders_the_operators_crds(helm: Helm) -> None:
+    rendered = of_kind(helm.template(), "CustomResourceDefinition")
+    source = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "operator" / "crds").glob("*.yaml"))]
+    assert sorted(rendered, key=lambda c: c["metadata"]["name"]) == source
+
+
+def test_the_cluster_role_has_exactly_the_rules_of_operator_rbac_yaml(helm: Helm) -> None:
+    assert (CHART / "files" / "operator" / "rbac.yaml").read_bytes() == (
+        ROOT / "operator" / "rbac.yaml"
+    ).read_bytes(), "cp operator/rbac.yaml helm/kvtier/files/operator/rbac.yaml"
+    role = named(helm.template(), "ClusterRole", "kvtier-operator")
+    assert role["rules"] == yaml.safe_load((ROOT / "operator" / "rbac.yaml").read_text())["rules"]
+
+
+def test_the_cluster_role_is_bound_to_the_operators_service_account(helm: Helm) -> None:
+    objects = helm.template(namespace="infra")
+    binding = named(objects, "ClusterRoleBinding", "kvtier-operator")
+    deployment = named(objects, "Deployment", "kvtier-operator")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert named(objects, "ServiceAccount", account)["metadata"]["namespace"] == "infra"
+    assert binding["roleRef"]["name"] == "kvtier-operator"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "infra"}]
+
+
+def test_the_operator_runs_kvtier_operator_with_its_liveness_probe(helm: Helm) -> None:
+    deployment = named(helm.template(), "Deployment", "kvtier-operator")
+    assert deployment["spec"]["replicas"] == 1
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/kvtier/kvtier:0.1.0"
+    assert container["command"] == ["kvtier", "operator"]
+    assert container["args"] == [
+        "--all-namespaces",
+        "--tier-image=ghcr.io/kvtier/kvtier:0.1.0",
+        "--resync-seconds=30",
+        "--liveness=http://0.0.0.0:8080/healthz",
+    ]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+
+
+def test_the_operators_flags_are_ones_kvtier_operator_accepts(helm: Helm) -> None:
+    from kvtier.operator.main import build_parser
+
+    for scenario in SCENARIOS:
+        deployment = named(render(helm, scenario), "Deployment", "kvtier-operator")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        build_parser().parse_args(container["args"])
+
+
+def test_image_repository_and_tag_are_values(helm: Helm, tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text("image: {repository: registry.example/kvtier, tag: dev-1}\n")
+    for where, spec in pod_specs(helm.template(values)):
+        for container in spec["containers"]:
+            assert container["image"] == "registry.example/kvtier:dev-1", where
+
+
+def test_the_default_tier_is_a_cachetier_resource_with_ram_and_disk(helm: Helm) -> None:
+    objects = helm.template()
+    (tier,) = of_kind(objects, "CacheTier")
+    assert tier["metadata"] | {"labels": None} == {"name": "kvtier", "namespace": "kvtier", "labels": None}
+    assert tier["spec"] == {
+        "replicas": 1,
+        "ramBytes": "2Gi",
+        "disk": {"enabled": True, "size": "20Gi"},
+        "metrics": {"enabled": True},
+    }
+    assert not of_kind(objects, "StatefulSet"), "the operator, not the chart, makes the StatefulSet"
+
+
+def test_in_chart_redis_wires_the_tier_to_the_charts_redis_and_its_secret(helm: Helm) -> None:
+    objects = render(helm, CHART / "ci" / "in-chart-redis-values.yaml")
+    (tier,) = of_kind(objects, "CacheTier")
+    assert tier["spec"]["redis"] == {
+        "url": "redis://kvtier-redis.kvtier.svc:6379/0",
+        "cluster": False,
+        "passwordSecretRef": {"name": "kvtier-redis", "key": "password"},
+    }
+    secret = named(objects, "Secret", "kvtier-redis")
+    assert len(secret["data"]["password"]) >= 40  # base64 of 32 random characters
+    service = named(objects, "Service", "kvtier-redis")
+    redis = named(objects, "Deployment", "kvtier-redis")
+    assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert "--maxmemory 512mb --maxmemory-policy allkeys-lru" in container["args"][0]
+
+
+def test_external_redis_uses_its_url_and_existing_secret_and_installs_no_redis(helm: Helm) -> None:
+    objects = render(helm, CHART / "ci" / "external-redis-values.yaml")
+    (tier,) = of_kind(objects, "CacheTier")
+    assert tier["spec"]["redis"] == {
+        "url": "rediss://redis.cache.svc:6379",
+        "cluster": True,
+        "passwordSecretRef": {"name": "kvtier-redis-password", "key": "redis-password"},
+    }
+    assert tier["spec"]["disk"] == {"enabled": False}
+    assert not [obj for obj in objects if "redis" in obj["metadata"]["name"]]
+
+
+def test_without_crds_nothing_needs_them_and_the_operator_watches_the_named_namespaces(
+    helm: Helm,
+) -> None:
+    scenario = CHART / "ci" / "no-crds-values.yaml"
+    assert scenario_flags(scenario) == ["--skip-crds"]
+    objects = render(helm, scenario)
+    kinds = {obj["kind"] for obj in objects}
+    assert not kinds & {"CustomResourceDefinition", "CacheTier", "ClusterRole", "ServiceAccount"}
+    deployment = named(objects, "Deployment", "kvtier-operator")
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "kvtier-operator"
+    assert spec["containers"][0]["args"][:2] == ["--namespace=team-a", "--namespace=ml-*"]
+
+
+def test_monitoring_on_renders_a_service_monitor_for_every_tier_and_the_tier_down_alert(
+    helm: Helm,
+) -> None:
+    objects = render(helm, CHART / "ci" / "monitoring-values.yaml")
+    (monitor,) = of_kind(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "monitoring"
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "cache-tier",
+    }  # fmt: skip
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    (rule,) = of_kind(objects, "PrometheusRule")
+    files = sorted((CHART / "files" / "rules").glob("*.yaml"))
+    assert rule["spec"]["groups"] == [g for f in files for g in yaml.safe_load(f.read_text())["groups"]]
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "KvtierTierDown" in alerts
+
+
+def test_by_default_nothing_needs_the_prometheus_operator_crds(helm: Helm) -> None:
+    kinds = {obj["kind"] for obj in helm.template()}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule"}
+
+
+def test_every_dashboard_file_becomes_a_configmap_for_the_grafana_sidecar(helm: Helm) -> None:
+    configmaps = {
+        name: data
+        for obj in of_kind(helm.template(), "ConfigMap")
+        if obj["metadata"]["labels"].get("grafana_dashboard") == "1"
+        for name, data in obj["data"].items()
+    }
+    files = sorted((CHART / "files" / "dashboards").glob("*.json"))
+    assert sorted(configmaps) == [path.name for path in files]
+    for path in files:
+        assert configmaps[path.name] == path.read_text().rstrip("\n")
+        assert json.loads(configmaps[path.name])["panels"]
+
+
+def test_the_tier_accepts_grpc_only_from_engines_and_the_helm_test_and_metrics_from_prometheus(
+    helm: Helm,
+) -> None:
+    policy = named(helm.template(), "NetworkPolicy", "kvtier-cache-tier")
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "cache-tier",
+    }  # fmt: skip
+    grpc, metrics = policy["spec"]["ingress"]
+    assert grpc["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    components = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc["from"]]
+    assert components == ["engine", "helm-test"]
+    assert metrics["ports"] == [{"port": 9400, "protocol": "TCP"}]
+    (prometheus,) = metrics["from"]
+    assert prometheus["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+
+
+def test_in_chart_redis_accepts_only_tier_pods(helm: Helm) -> None:
+    objects = render(helm, CHART / "ci" / "in-chart-redis-values.yaml")
+    policy = named(objects, "NetworkPolicy", "kvtier-redis")
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "cache-tier",
+    }}}]  # fmt: skip
+
+
+def test_the_kvtier_image_runs_as_the_user_the_chart_pods_run_as(helm: Helm) -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile.kvtier").read_text()
+    (user,) = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    deployment = named(helm.template(), "Deployment", "kvtier-operator")
+    security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
