@@ -87,7 +87,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             previous = body.get("status") or {}
             if any(previous.get(key) != value for key, value in status.items()):
                 patch.status.update(status)
-            warn_on_new_problem(body, previous, status, logger)
+            problem = new_problem(previous, status)
+            if problem is not None:  # a warning log and Kubernetes event, once
+                logger.warning("%s: %s", *problem)
+                kopf.warn(body, reason=problem[0], message=problem[1])
 
         return handle
 
@@ -115,16 +118,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         )(resync(handle))  # fmt: skip
 
 
-def warn_on_new_problem(
-    body: kopf.Body, previous: Mapping[str, Any], status: Mapping[str, Any], logger: kopf.Logger
-) -> None:
-    """A warning log and Kubernetes event when ``Ready`` turns to a problem the user must fix."""
+def new_problem(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) when ``Ready`` just turned to a problem the user must fix, else None."""
     before, after = _ready(previous), _ready(status)
-    reason, message = after.get("reason"), after.get("message", "")
-    changed = (before.get("reason"), before.get("message")) != (reason, message)
-    if reason in USER_PROBLEMS and changed:
-        logger.warning("%s: %s", reason, message)
-        kopf.warn(body, reason=str(reason), message=message)
+    reason, message = str(after.get("reason", "")), str(after.get("message", ""))
+    if reason in USER_PROBLEMS and (before.get("reason"), before.get("message")) != (
+        reason,
+        message,
+    ):
+        return reason, message
+    return None
 
 
 def _ready(status: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -181,7 +181,7 @@ class KubeClient:
         method: str,
         path: str,
         *,
-        body: Mapping[str, Any] | None = None,
+        body: Mapping[str, Any] | Sequence[Any] | None = None,  # a JSON patch is a list
         content_type: str = "application/json",
         query: Mapping[str, str] | None = None,
         accept: str = "application/json",

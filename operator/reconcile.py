@@ -9,6 +9,7 @@ are raised for kopf to retry.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,7 @@ from kvtier.operator.children import (
     tier_endpoint,
 )
 from kvtier.operator.conditions import Condition
-from kvtier.operator.errors import ChildConflict, Invalid, SpecError
+from kvtier.operator.errors import ChildConflict, Invalid, KubeError, SpecError
 from kvtier.operator.kube import Kind, KubeClient, kind_for, kind_of
 from kvtier.operator.spec import (
     API_VERSION,
@@ -143,7 +144,20 @@ async def _apply(client: KubeClient, kind: Kind, child: Obj) -> Obj:
             meta["name"],
         )
         await client.delete(kind, meta["namespace"], meta["name"], propagation="Orphan")
+        await _wait_until_gone(client, kind, meta["namespace"], meta["name"])
         return await client.apply(child)
+
+
+async def _wait_until_gone(
+    client: KubeClient, kind: Kind, namespace: str, name: str, *, within: float = 30
+) -> None:
+    """Wait out an orphaning delete (the garbage collector first frees the dependents)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while await client.get(kind, namespace, name) is not None:
+        if loop.time() > deadline:
+            raise KubeError(0, "Timeout", f"{kind.kind} {namespace}/{name} is still being deleted")
+        await asyncio.sleep(0.2)
 
 
 def _controlled_by(obj: Mapping[str, Any], owner: Owner) -> bool:

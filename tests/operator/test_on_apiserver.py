@@ -360,3 +360,43 @@ async def test_deleting_a_recipe_removes_its_children_and_its_inline_tier(
 def test_the_operator_needed_no_permission_beyond_rbac_yaml(operator: OperatorProcess) -> None:
     log = operator.log_text()
     assert "Forbidden" not in log and " 403" not in log, log[-3000:]
+
+
+async def test_a_new_disk_size_replaces_the_statefulset_keeping_its_pods(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace, disk={"size": "10Gi"}))
+    await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", generation=1)
+    first = await kube.get(STATEFULSET, namespace, "shared")
+    assert first is not None
+    await kube.patch(CACHE_TIER, namespace, "shared", {"spec": {"disk": {"size": "30Gi"}}})
+
+    async def replaced() -> dict[str, Any] | None:
+        again = await kube.get(STATEFULSET, namespace, "shared")
+        return again if again and again["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+    statefulset = await eventually(replaced, what="a new StatefulSet")
+    claim = statefulset["spec"]["volumeClaimTemplates"][0]["spec"]
+    assert claim["resources"]["requests"]["storage"] == "30Gi"
+    tier = await wait_for_condition(kube, namespace, "CacheTier", "shared", "Ready", generation=2)
+    assert condition(tier, "Ready")["reason"] == "ReplicasNotReady"
+
+
+async def test_switching_a_recipe_from_inline_to_ref_drops_its_dedicated_tier(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace))
+    await kube.create(model_recipe(namespace, tier={"inline": {"disk": {"enabled": False}}}))
+    await wait_for_condition(kube, namespace, "CacheTier", "qwen-tier", "Ready")
+    await kube.request(
+        "PATCH", MODEL_RECIPE.path(namespace, "qwen"),
+        body=[{"op": "replace", "path": "/spec/tier", "value": {"ref": {"name": "shared"}}}],
+        content_type="application/json-patch+json",
+    )  # fmt: skip
+    recipe = await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "Ready", generation=2)
+    assert recipe["status"]["tier"] == "shared"
+
+    async def dropped() -> bool:
+        return await kube.get(CACHE_TIER, namespace, "qwen-tier") is None
+
+    await eventually(dropped, what="the dedicated CacheTier to go")
