@@ -45,6 +45,8 @@ CACHE_TIER = kind_of(API_VERSION, "CacheTier")
 SECRET = kind_of("v1", "Secret")
 TIER_CONDITIONS = ("Ready",)
 RECIPE_CONDITIONS = ("TierReady", "EngineReady", "Ready")
+TIER_FACTS = ("endpoint", "replicas", "readyReplicas")
+RECIPE_FACTS = ("tier", "tierEndpoint", "endpoint", "replicas", "availableReplicas")
 
 
 @dataclass(frozen=True)
@@ -203,12 +205,15 @@ async def _delete_inline_tier(client: KubeClient, owner: Owner) -> None:
 
 
 def _status(body: Mapping[str, Any], conditions: Sequence[Condition], **facts: Any) -> Obj:
+    """The new status. Facts not known this time are None, which clears stale values."""
     meta = body.get("metadata", {})
     generation = int(meta.get("generation", 0))
     previous = (body.get("status") or {}).get("conditions") or []
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    keys = TIER_FACTS if body.get("kind") == "CacheTier" else RECIPE_FACTS
+    assert set(facts) <= set(keys), f"unknown status fields {set(facts) - set(keys)}"
     return {
         "observedGeneration": generation,
-        **facts,
+        **{key: facts.get(key) for key in keys},
         "conditions": cond.to_status(conditions, previous, generation, now),
     }
