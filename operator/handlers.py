@@ -2,10 +2,10 @@
 
 For each kind, create, update, resume and a timer (``resync_seconds``) share
 one idempotent path (``kvtier.operator.reconcile``); the timer is what brings
-back a deleted or edited child and notices children becoming ready. It leaves
-a generation the change handlers have not finished alone. There is
-no delete handler and so no finalizer: children carry owner references and
-Kubernetes' garbage collector removes them with their parent.
+back a deleted or edited child and notices children becoming ready; it skips
+a generation the change handlers have not finished. There is no delete
+handler and so no finalizer: children carry owner references and Kubernetes'
+garbage collector removes them with their parent.
 """
 
 from __future__ import annotations
@@ -122,12 +122,8 @@ def new_problem(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple
     """(reason, message) when ``Ready`` just turned to a problem the user must fix, else None."""
     before, after = _ready(previous), _ready(status)
     reason, message = str(after.get("reason", "")), str(after.get("message", ""))
-    if reason in USER_PROBLEMS and (before.get("reason"), before.get("message")) != (
-        reason,
-        message,
-    ):
-        return reason, message
-    return None
+    changed = (before.get("reason"), before.get("message")) != (reason, message)
+    return (reason, message) if reason in USER_PROBLEMS and changed else None
 
 
 def _ready(status: Mapping[str, Any]) -> Mapping[str, Any]:
