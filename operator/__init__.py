@@ -4,6 +4,7 @@ One-line map of the modules, in the order a reconcile goes through them:
 
 - ``spec``: parse a custom resource's body into frozen dataclasses (``SpecError`` names the field).
 - ``quantity``: Kubernetes quantities (``2Gi``) to bytes and back.
+- ``errors``: the operator's error tree.
 - ``children``: pure functions from a typed spec to the desired child objects (plain dicts).
 - ``conditions``: pure functions from observed objects to status conditions.
 - ``kube``: a small async Kubernetes REST client (server-side apply, get, delete).
