@@ -53,6 +53,8 @@ def tier_ready(statefulset: Mapping[str, Any] | None) -> Condition:
         )
     if ready >= desired and settled:
         return Condition("Ready", TRUE, "ReplicasReady", f"{ready}/{desired} replicas ready")
+    if ready >= desired:
+        return Condition("Ready", FALSE, "RollingOut", "replacing replicas with the current spec")
     return Condition("Ready", FALSE, "ReplicasNotReady", f"{ready}/{desired} replicas ready")
 
 
@@ -68,6 +70,10 @@ def engine_ready(deployment: Mapping[str, Any] | None) -> Condition:
     if available >= desired and settled:
         return Condition(
             "EngineReady", TRUE, "ReplicasAvailable", f"{available}/{desired} replicas available"
+        )
+    if available >= desired:
+        return Condition(
+            "EngineReady", FALSE, "RollingOut", "replacing replicas with the current spec"
         )
     return Condition(
         "EngineReady", FALSE, "ReplicasNotReady", f"{available}/{desired} replicas available"

@@ -34,8 +34,14 @@ def test_a_tier_is_not_ready_until_its_controller_observed_the_current_spec() ->
     assert tier_ready(workload(1, 1, generation=2, observed=1)).status == "False"
 
 
-def test_a_tier_is_not_ready_while_old_replicas_are_being_replaced() -> None:
-    assert tier_ready(workload(2, 2, updatedReplicas=1)).status == "False"
+def test_a_tier_is_rolling_out_while_old_replicas_are_being_replaced() -> None:
+    found = tier_ready(workload(2, 2, updatedReplicas=1))
+    assert (found.status, found.reason) == ("False", "RollingOut")
+
+
+def test_an_engine_is_rolling_out_until_every_replica_runs_the_current_template() -> None:
+    found = engine_ready(workload(2, 2, generation=3, observed=2))
+    assert (found.status, found.reason) == ("False", "RollingOut")
 
 
 def test_an_engine_scaled_to_zero_counts_as_ready() -> None:
