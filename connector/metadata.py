@@ -1,14 +1,13 @@
-"""What the scheduler half tells the worker half each engine step.
+"""What the scheduler half tells the worker half each engine step: a ``StepPlan``.
 
-Plain lists of ints and bytes (pickled between processes). Keys come per
-tensor-parallel rank (``keys[rank]``), because each rank stores its own heads.
+Plain lists of ints and bytes (pickled between processes, inside vLLM's
+``KvtierConnectorMetadata``). Keys come per tensor-parallel rank (``keys[rank]``),
+because each rank stores its own heads. This module does not import vLLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class ChunkSave:
 
 
 @dataclass
-class KvtierMetadata(KVConnectorMetadata):
+class StepPlan:
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
     failed_blocks: list[int] = field(default_factory=list)

@@ -1,10 +1,11 @@
 """The connector's metrics, reported through vLLM's connector-stats hooks.
 
 Both halves of the connector record into a ``Recorder``; vLLM collects
-``Recorder.take()`` every engine step (``get_kv_connector_stats``), ships it from the
-worker and the scheduler to the front-end process, and hands it to
-``KvtierPromMetrics.observe``, which updates Prometheus series served on vLLM's own
-``/metrics`` (the API server's port). vLLM adds its ``model_name``/``engine`` labels.
+``Recorder.take()`` every engine step (``get_kv_connector_stats``, wrapped in
+``kvtier.connector.vllm.KvtierConnectorStats``), ships it from the worker and the
+scheduler to the front-end process, and hands it to ``PromSeries.observe``, which
+updates Prometheus series served on vLLM's own ``/metrics`` (the API server's port).
+vLLM adds its ``model_name``/``engine`` labels. This module does not import vLLM.
 
 Series (counters get ``_total``)::
 
@@ -25,13 +26,10 @@ Series (counters get ``_total``)::
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Final
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+Stats = dict[str, Any]
+"""``{"counters": {name[:label]: n}, "histograms": {name: [seconds]}}`` (serializable)."""
 
 COUNTERS: Final[dict[str, tuple[str, str | None]]] = {
     # stat name: (documentation, label name or None)
@@ -54,8 +52,8 @@ HISTOGRAMS: Final[dict[str, str]] = {
     "load_seconds": "Latency of loading one request's chunks (Get, verify, copy).",
     "save_seconds": "Latency of one background Put batch.",
 }
-_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_PREFIX: Final = "kvtier_connector_"
+BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PREFIX: Final = "kvtier_connector_"
 
 
 class Recorder:
@@ -85,86 +83,71 @@ class Recorder:
         with self._lock:
             return self._totals.get(key, 0)
 
-    def take(self) -> KvtierConnectorStats | None:
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._totals)
+
+    def take(self) -> Stats | None:
         """The interval's stats (then reset), or None when nothing happened."""
         with self._lock:
             if not self._counters and not self._histograms:
                 return None
             data = {"counters": self._counters, "histograms": self._histograms}
             self._counters, self._histograms = {}, {}
-        return KvtierConnectorStats(data=data)
+        return data
 
 
-@dataclass
-class KvtierConnectorStats(KVConnectorStats):
-    """``data = {"counters": {name[:label]: n}, "histograms": {name: [seconds]}}``."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.data.setdefault("counters", {})
-        self.data.setdefault("histograms", {})
-
-    def reset(self) -> None:
-        self.data = {"counters": {}, "histograms": {}}
-
-    def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
-        counters = self.data["counters"]
-        for key, value in other.data.get("counters", {}).items():
-            counters[key] = counters.get(key, 0) + value
-        histograms = self.data["histograms"]
-        for key, values in other.data.get("histograms", {}).items():
-            histograms.setdefault(key, []).extend(values)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict(self.data["counters"])
-        for key, values in self.data["histograms"].items():
-            out[f"{key}_count"] = len(values)
-            out[f"{key}_avg"] = round(sum(values) / len(values), 6) if values else 0.0
-        return out
-
-    def is_empty(self) -> bool:
-        return not self.data["counters"] and not self.data["histograms"]
+def empty() -> Stats:
+    return {"counters": {}, "histograms": {}}
 
 
-class KvtierPromMetrics(KVConnectorPromMetrics):
-    """Prometheus series for the stats above, one set per vLLM engine."""
+def merge(into: Stats, other: Stats) -> None:
+    """Add ``other``'s observations to ``into`` (counters sum, histograms concatenate)."""
+    counters = into.setdefault("counters", {})
+    for key, value in other.get("counters", {}).items():
+        counters[key] = counters.get(key, 0) + value
+    histograms = into.setdefault("histograms", {})
+    for key, values in other.get("histograms", {}).items():
+        histograms.setdefault(key, []).extend(values)
 
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, Any] = {}
-        for name, (doc, label) in COUNTERS.items():
-            self._counters[name] = self._counter_cls(
-                name=_PREFIX + name,
+
+def summarize(data: Stats) -> dict[str, int | float]:
+    """One line's worth for vLLM's periodic log: counters, and count/avg per histogram."""
+    out: dict[str, int | float] = dict(data.get("counters", {}))
+    for key, values in data.get("histograms", {}).items():
+        out[f"{key}_count"] = len(values)
+        out[f"{key}_avg"] = round(sum(values) / len(values), 6) if values else 0.0
+    return out
+
+
+class PromSeries:
+    """The Prometheus series, created with the metric classes vLLM hands over."""
+
+    def __init__(self, counter_cls: Any, histogram_cls: Any, labelnames: list[str]) -> None:
+        self._counters = {
+            name: counter_cls(
+                name=PREFIX + name,
                 documentation=doc,
                 labelnames=[*labelnames, label] if label else labelnames,
             )
-        self._histograms: dict[str, Any] = {
-            name: self._histogram_cls(
-                name=_PREFIX + name, documentation=doc, labelnames=labelnames, buckets=_BUCKETS
+            for name, (doc, label) in COUNTERS.items()
+        }
+        self._histograms = {
+            name: histogram_cls(
+                name=PREFIX + name, documentation=doc, labelnames=labelnames, buckets=BUCKETS
             )
             for name, doc in HISTOGRAMS.items()
         }
 
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = list(self.per_engine_labelvalues[engine_idx])
-        for key, value in transfer_stats_data.get("counters", {}).items():
+    def observe(self, data: Stats, labelvalues: list[object]) -> None:
+        for key, value in data.get("counters", {}).items():
             name, _, label = key.partition(":")
-            metric = self._counters.get(name)
-            if metric is None:
-                continue
-            metric.labels(*labels, *([label] if label else [])).inc(value)
-        for name, values in transfer_stats_data.get("histograms", {}).items():
-            metric = self._histograms.get(name)
-            if metric is None:
-                continue
-            series = metric.labels(*labels)
-            for value in values:
-                series.observe(value)
+            counter = self._counters.get(name)
+            if counter is not None:
+                counter.labels(*labelvalues, *([label] if label else [])).inc(value)
+        for name, values in data.get("histograms", {}).items():
+            histogram = self._histograms.get(name)
+            if histogram is not None:
+                series = histogram.labels(*labelvalues)
+                for value in values:
+                    series.observe(value)

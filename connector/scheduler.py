@@ -23,7 +23,7 @@ from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import TierError
 from kvtier.connector.keys import KeyChain, KeySpec, MMItem
-from kvtier.connector.metadata import ChunkLoad, ChunkSave, KvtierMetadata, RequestLoad
+from kvtier.connector.metadata import ChunkLoad, ChunkSave, RequestLoad, StepPlan
 from kvtier.connector.metrics import Recorder
 
 logger = logging.getLogger(__name__)
@@ -91,14 +91,14 @@ class KvtierScheduler:
         if num_external_tokens > 0:
             state.load_range = (state.local_tokens, state.local_tokens + num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
-        meta = KvtierMetadata()
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled[new.req_id])
+                self._plan(plan, new.req_id, state, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -109,8 +109,8 @@ class KvtierScheduler:
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
-            self._plan(meta, req_id, state, cached.num_computed_tokens[i] + scheduled[req_id])
-        return meta
+            self._plan(plan, req_id, state, cached.num_computed_tokens[i] + scheduled[req_id])
+        return plan
 
     def request_finished(self, request: Any) -> None:
         self._requests.pop(request.request_id, None)
@@ -189,20 +189,20 @@ class KvtierScheduler:
         self._recorder.observe("lookup_seconds", time.perf_counter() - started)
         return max(0, min(found, len(keys)))
 
-    def _plan(self, meta: KvtierMetadata, req_id: str, state: _RequestState, computed: int) -> None:
+    def _plan(self, plan: StepPlan, req_id: str, state: _RequestState, computed: int) -> None:
         """Add this step's load (if one was promised) and newly completed saves."""
         load_range, state.load_range = state.load_range, None
         try:
             if load_range is not None:
-                meta.loads.append(self._load_plan(req_id, state, *load_range))
+                plan.loads.append(self._load_plan(req_id, state, *load_range))
             if self._save:
-                meta.saves.extend(self._save_plan(state, computed))
+                plan.saves.extend(self._save_plan(state, computed))
         except Exception:
             # Never leave promised blocks unfilled: have the worker report them failed.
             logger.exception("kvtier: planning request %s failed; recomputing it", req_id)
             if load_range is not None:
                 first, last = load_range[0] // self._block, load_range[1] // self._block
-                meta.failed_blocks.extend(state.block_ids[first:last])
+                plan.failed_blocks.extend(state.block_ids[first:last])
             state.next_save = len(state.keys)
 
     def _load_plan(self, req_id: str, state: _RequestState, start: int, end: int) -> RequestLoad:

@@ -16,10 +16,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from typing_extensions import Buffer
+
 from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.errors import TierError
 from kvtier.connector.metrics import Recorder
-from typing_extensions import Buffer
 
 logger = logging.getLogger(__name__)
 

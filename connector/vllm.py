@@ -30,6 +30,7 @@ request) and says so in the log.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,14 +38,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
+from kvtier.connector import metrics
 from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.client import TierClient
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import ConfigError, TierError
 from kvtier.connector.keys import KeySpec
-from kvtier.connector.metadata import KvtierMetadata
-from kvtier.connector.metrics import KvtierConnectorStats, KvtierPromMetrics, Recorder
+from kvtier.connector.metadata import StepPlan
 from kvtier.connector.scheduler import KvtierScheduler
 from kvtier.connector.worker import KvtierWorker
 
@@ -53,7 +58,51 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KvtierConnector"]
+__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats"]
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """vLLM's envelope for one step's plan (scheduler -> workers)."""
+
+    plan: StepPlan
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """vLLM's envelope for the connector's metrics (``kvtier.connector.metrics.Stats``)."""
+
+    data: dict[str, Any] = field(default_factory=metrics.empty)
+
+    def reset(self) -> None:
+        self.data = metrics.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
+        metrics.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return metrics.summarize(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data.get("counters") and not self.data.get("histograms")
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """The kvtier_connector_* series on vLLM's /metrics, one set per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._series = metrics.PromSeries(self._counter_cls, self._histogram_cls, labelnames)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._series.observe(transfer_stats_data, self.per_engine_labelvalues[engine_idx])
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -62,7 +111,7 @@ class KvtierConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         specs = _key_specs(config, vllm_config, kv_cache_config)
-        self._recorder = Recorder()
+        self._recorder = metrics.Recorder()
         self._breaker = CircuitBreaker(
             config.breaker_failures,
             config.breaker_cooldown_s,
@@ -127,6 +176,11 @@ class KvtierConnector(KVConnectorBase_V1):
         return False
 
     @property
+    def recorder(self) -> metrics.Recorder:
+        """This half's metrics (``recorder.totals()``: everything since start)."""
+        return self._recorder
+
+    @property
     def scheduler(self) -> KvtierScheduler:
         assert self._scheduler is not None, "called on the worker-side connector"
         return self._scheduler
@@ -147,7 +201,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return KvtierConnectorMetadata(self.scheduler.build_connector_meta(scheduler_output))
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -162,8 +216,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvtierMetadata)
-        self.worker.start_load_kv(meta)
+        assert isinstance(meta, KvtierConnectorMetadata)
+        self.worker.start_load_kv(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -175,8 +229,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvtierMetadata)
-        self.worker.wait_for_save(meta)
+        assert isinstance(meta, KvtierConnectorMetadata)
+        self.worker.wait_for_save(meta.plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.failed_blocks()
@@ -189,11 +243,15 @@ class KvtierConnector(KVConnectorBase_V1):
     # -- metrics --------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
-        return self._recorder.take()
+        data = self._recorder.take()
+        return KvtierConnectorStats(data=data) if data is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats:
-        return KvtierConnectorStats(data=dict(data) if data is not None else {})
+        stats = KvtierConnectorStats()
+        if data is not None:
+            metrics.merge(stats.data, data)
+        return stats
 
     @classmethod
     def build_prom_metrics(

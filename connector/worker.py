@@ -23,11 +23,12 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
+
 from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.codec import decode_chunk, encode_chunk
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import ChunkDecodeError, ConfigError, TierError
-from kvtier.connector.metadata import ChunkLoad, KvtierMetadata, RequestLoad
+from kvtier.connector.metadata import ChunkLoad, RequestLoad, StepPlan
 from kvtier.connector.metrics import Recorder
 from kvtier.connector.sender import PutTier, SaveSender
 
@@ -112,9 +113,9 @@ class KvtierWorker:
 
     # -- loads -------------------------------------------------------------------------
 
-    def start_load_kv(self, meta: KvtierMetadata) -> None:
-        self._failed.update(meta.failed_blocks)
-        for request in meta.loads:
+    def start_load_kv(self, plan: StepPlan) -> None:
+        self._failed.update(plan.failed_blocks)
+        for request in plan.loads:
             started = time.perf_counter()
             try:
                 loaded = self._load_request(request)
@@ -185,8 +186,8 @@ class KvtierWorker:
 
     # -- saves -------------------------------------------------------------------------
 
-    def wait_for_save(self, meta: KvtierMetadata) -> None:
-        for save in meta.saves:
+    def wait_for_save(self, plan: StepPlan) -> None:
+        for save in plan.saves:
             if not self._sender.has_room():
                 self._recorder.count("saves_dropped", label="queue_full")
                 continue

@@ -183,8 +183,8 @@ def _connector_stats() -> dict[str, float]:
     if not has_kv_transfer_group():
         return {}
     worker = get_kv_transfer_group()
-    totals: dict[str, float] = dict(worker._recorder._totals)
-    for key, value in _scheduler_connector()._recorder._totals.items():
+    totals: dict[str, float] = worker.recorder.totals()
+    for key, value in _scheduler_connector().recorder.totals().items():
         totals[key] = totals.get(key, 0) + value
     return totals
 

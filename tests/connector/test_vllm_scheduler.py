@@ -1,0 +1,261 @@
+"""The connector's scheduler half and background sender against a fake tier.
+
+Requests and scheduler outputs are plain namespaces with the attributes vLLM 0.32
+gives them; the real engine runs in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.errors import TierUnavailable
+from kvtier.connector.keys import KeySpec
+from kvtier.connector.metadata import StepPlan
+from kvtier.connector.metrics import Recorder
+from kvtier.connector.scheduler import KvtierScheduler
+from kvtier.connector.sender import SaveSender
+
+BLOCK, CHUNK = 128, 256
+
+
+class FakeTier:
+    def __init__(self, held: int = 0, fail: bool = False) -> None:
+        self.held = held
+        self.fail = fail
+        self.lookups: list[list[bytes]] = []
+
+    def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        self.lookups.append(list(keys))
+        if self.fail:
+            raise TierUnavailable("down")
+        return min(self.held, len(keys))
+
+
+def make_scheduler(tier: FakeTier, **config: Any) -> tuple[KvtierScheduler, Recorder]:
+    cfg = ConnectorConfig.from_extra_config({"target": "h:1", "chunk_size": CHUNK, **config})
+    recorder = Recorder()
+    spec = KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK)
+    breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    return KvtierScheduler(cfg, [spec], tier, breaker=breaker, recorder=recorder), recorder
+
+
+def request(n: int, req_id: str = "r", salt: str | None = None, mm: Any = ()) -> Any:
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(range(n)),
+        num_tokens=n,
+        mm_features=list(mm),
+        cache_salt=salt,
+        lora_request=None,
+    )
+
+
+def blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step(new: list[tuple[Any, list[int], int, int]]) -> Any:
+    """A scheduler output with new requests: (request, block_ids, computed, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=c)
+            for r, ids, c, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={r.request_id: s for r, _, _, s in new},
+    )
+
+
+def test_hit_is_whole_chunks_and_one_lookup() -> None:
+    tier = FakeTier(held=2)
+    scheduler, recorder = make_scheduler(tier)
+    req = request(1000)  # 3 full chunks
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert len(tier.lookups) == 1 and len(tier.lookups[0]) == 3
+    assert recorder.total("hit_tokens") == 512
+
+
+def test_full_hit_leaves_the_last_block_to_compute() -> None:
+    scheduler, _ = make_scheduler(FakeTier(held=2))
+    assert scheduler.get_num_new_matched_tokens(request(512), 0) == (384, False)
+
+
+def test_hit_beyond_local_prefix_cache_counts_only_new_tokens() -> None:
+    scheduler, _ = make_scheduler(FakeTier(held=3))
+    assert scheduler.get_num_new_matched_tokens(request(1000), 384) == (768 - 384, False)
+
+
+def test_prompt_shorter_than_a_chunk_is_not_looked_up() -> None:
+    tier = FakeTier(held=5)
+    scheduler, _ = make_scheduler(tier)
+    assert scheduler.get_num_new_matched_tokens(request(200), 0) == (0, False)
+    assert tier.lookups == []
+
+
+def test_tier_error_is_a_miss_and_counted() -> None:
+    scheduler, recorder = make_scheduler(FakeTier(fail=True))
+    assert scheduler.get_num_new_matched_tokens(request(1000), 0) == (0, False)
+    assert recorder.total("errors", "lookup") == 1
+
+
+def test_open_breaker_skips_the_lookup() -> None:
+    tier = FakeTier(fail=True)
+    scheduler, recorder = make_scheduler(tier, breaker_failures=1, breaker_cooldown_s=60)
+    scheduler.get_num_new_matched_tokens(request(1000, "a"), 0)
+    scheduler.get_num_new_matched_tokens(request(1000, "b"), 0)
+    assert len(tier.lookups) == 1
+    assert recorder.total("calls_skipped", "lookup") == 1
+
+
+def test_required_salt_policy_ignores_unsalted_requests() -> None:
+    tier = FakeTier(held=3)
+    scheduler, _ = make_scheduler(tier, salt_policy="required")
+    assert scheduler.get_num_new_matched_tokens(request(1000), 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(request(1000, "s", salt="t1"), 0)[0] == 768
+    assert len(tier.lookups) == 1
+
+
+def test_salt_changes_keys_unless_policy_is_none() -> None:
+    keys = {}
+    for policy in ("request", "none"):
+        for salt in (None, "tenant-a"):
+            tier = FakeTier()
+            scheduler, _ = make_scheduler(tier, salt_policy=policy)
+            scheduler.get_num_new_matched_tokens(request(600, salt=salt), 0)
+            keys[policy, salt] = tier.lookups[0]
+    assert keys["request", None] != keys["request", "tenant-a"]
+    assert keys["none", None] == keys["none", "tenant-a"] == keys["request", None]
+
+
+def test_image_changes_keys_from_its_chunk_on() -> None:
+    def mm(identifier: str) -> Any:
+        return SimpleNamespace(
+            identifier=identifier,
+            mm_hash=identifier,
+            mm_position=SimpleNamespace(offset=300, length=64),
+        )
+
+    found = []
+    for identifier in ("img-a", "img-b"):
+        tier = FakeTier()
+        scheduler, _ = make_scheduler(tier)
+        scheduler.get_num_new_matched_tokens(request(1000, mm=[mm(identifier)]), 0)
+        found.append(tier.lookups[0])
+    a, b = found
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]
+
+
+def test_plan_loads_hit_blocks_and_saves_new_chunks() -> None:
+    scheduler, _ = make_scheduler(FakeTier(held=1))
+    req = request(1000)
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    assert ext == 256
+    ids = list(range(10, 18))  # 8 blocks of 128 for 1000 tokens
+    scheduler.update_state_after_alloc(req, blocks(ids), ext)
+
+    meta = scheduler.build_connector_meta(step([(req, ids, 256, 1000 - 256)]))
+
+    (load,) = meta.loads
+    assert [(c.first_block, c.block_ids) for c in load.chunks] == [(0, (10, 11))]
+    assert [s.block_ids for s in meta.saves] == [(12, 13), (14, 15)]  # chunks 1 and 2
+
+
+def test_plan_loads_only_blocks_past_local_prefix_cache() -> None:
+    scheduler, _ = make_scheduler(FakeTier(held=3))
+    req = request(1000)
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 384)  # 3 blocks cached locally
+    ids = list(range(20, 28))
+    scheduler.update_state_after_alloc(req, blocks(ids), ext)
+
+    meta = scheduler.build_connector_meta(step([(req, ids, 768, 1000 - 768)]))
+
+    assert [(c.first_block, c.block_ids) for c in meta.loads[0].chunks] == [
+        (1, (23,)),
+        (0, (24, 25)),
+    ]
+    assert meta.saves == []  # the tier holds all 3 chunks
+
+
+def test_chunked_prefill_saves_each_chunk_once_when_complete() -> None:
+    scheduler, _ = make_scheduler(FakeTier())
+    req = request(1000)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    ids = list(range(8))
+    scheduler.update_state_after_alloc(req, blocks(ids), 0)
+    first = scheduler.build_connector_meta(step([(req, ids, 0, 300)]))
+    cached = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[300]
+        ),
+        num_scheduled_tokens={"r": 700},
+    )
+    second = scheduler.build_connector_meta(cached)
+    assert [s.block_ids for s in first.saves] == [(0, 1)]
+    assert [s.block_ids for s in second.saves] == [(2, 3), (4, 5)]
+
+
+def test_finished_request_is_forgotten() -> None:
+    tier = FakeTier(held=1)
+    scheduler, _ = make_scheduler(tier)
+    req = request(1000)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.request_finished(req)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    assert len(tier.lookups) == 2
+
+
+class SlowTier:
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.stored: list[bytes] = []
+
+    def put(self, items: Iterable[tuple[bytes, Any]], *, timeout_s: float | None = None) -> int:
+        self.release.wait(10)
+        keys = [k for k, _ in items]
+        self.stored += keys
+        return len(keys)
+
+    def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        return 0
+
+
+def test_sender_drops_instead_of_blocking_when_queue_is_full() -> None:
+    tier, recorder = SlowTier(), Recorder()
+    sender = SaveSender(
+        tier, capacity=2, batch=1, timeout_s=1, breaker=CircuitBreaker(3, 1), recorder=recorder
+    )
+    try:
+        offered = [sender.offer(bytes([i]), [b"x"], 1) for i in range(6)]
+        assert offered.count(False) >= 3  # one in flight, two queued, the rest dropped
+        assert recorder.total("saves_dropped", "queue_full") == offered.count(False)
+        tier.release.set()
+        assert sender.flush(5)
+        assert len(tier.stored) == offered.count(True)
+        assert recorder.total("saved_chunks") == offered.count(True)
+    finally:
+        tier.release.set()
+        sender.close()
+
+
+@pytest.mark.parametrize("role", ["kv_both"])
+def test_metadata_is_picklable(role: str) -> None:
+    import pickle
+
+    scheduler, _ = make_scheduler(FakeTier(held=1))
+    req = request(1000)
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, blocks(list(range(8))), ext)
+    meta = scheduler.build_connector_meta(step([(req, list(range(8)), 256, 744)]))
+    again = pickle.loads(pickle.dumps(meta))
+    assert isinstance(again, StepPlan) and again == meta
