@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import tierpeers
-from bench.tierpeers import BACKENDS, ROOT, Backend
+from bench.tierpeers import BACKENDS, PROTOTYPES, ROOT, Backend
 
 MIB = 1 << 20
 OPS = ("GET", "PUT")
@@ -340,8 +340,9 @@ def run(args: argparse.Namespace) -> Results:
     clients = [int(k) for k in args.clients.split(",")]
     backends = [b.strip() for b in args.backends.split(",")] if args.backends else list(BACKENDS)
     for b in backends:
-        if b not in BACKENDS:
-            raise SystemExit(f"--backends: unknown backend {b!r}; known: {', '.join(BACKENDS)}")
+        if b not in BACKENDS + PROTOTYPES:
+            known = ", ".join(BACKENDS + PROTOTYPES)
+            raise SystemExit(f"--backends: unknown backend {b!r}; known: {known}")
     config = {"sizes_mib": sizes, "clients": clients, "rounds": args.repeat, "backends": backends,
               "batch_mib": args.batch_mib, "mib_per_client": args.mib_per_client,
               "frame_bytes": args.frame_bytes, "verify": args.verify}  # fmt: skip
@@ -429,7 +430,9 @@ def parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=5, help="measured rounds (after one warm-up round)"
     )
     p.add_argument(
-        "--backends", default="", help=f"comma-separated subset of: {', '.join(BACKENDS)}"
+        "--backends",
+        default="",
+        help=f"comma-separated, of: {', '.join(BACKENDS + PROTOTYPES)} (default: all but the last)",
     )
     p.add_argument(
         "--batch-mib",

@@ -14,6 +14,8 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
   own ``LMCServerConnector``, GETs go one at a time; PUTs have no reply, so a
   batch ends with a HEALTH round trip (the server handles a connection's
   commands in order: its answer means every PUT before it is stored).
+- ``kvtier RAM raw stream`` (only when asked for): ``bench.rawstore``, a prototype of
+  a raw-bytes data port in front of kvtier's store.
 - ``kvtier RAM`` / ``kvtier disk`` / ``kvtier Redis``: ``kvtier server`` over gRPC
   through ``kvtier.connector.client.TierClient``. The disk and Redis rows give
   the RAM tier 1 byte (every value lands in and is read from the lower tier)
@@ -41,6 +43,8 @@ START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 300.0
 
 BACKENDS = ("raw TCP", "redis-py", "LMCache", "kvtier RAM", "kvtier disk", "kvtier Redis")
+# Prototypes of data-path changes, measured only when named in --backends.
+PROTOTYPES = ("kvtier RAM raw stream",)
 
 
 def free_port() -> int:
@@ -126,6 +130,13 @@ def start_backend(
         code = f"import sys; sys.path.append({str(ROOT)!r}); from bench.rawtcp import serve; serve('127.0.0.1', {b.port})"
         b.spawn([sys.executable, "-c", code], log, "the raw TCP server", b.port, cwd=directory)
         return b
+    if name == "kvtier RAM raw stream":  # bench/rawstore.py: kvtier's store, no gRPC
+        b = Backend(name, "raw", free_port())
+        code = f"import sys; sys.path.append({str(ROOT)!r}); import asyncio; from bench.rawstore import serve; asyncio.run(serve('127.0.0.1', {b.port}))"
+        b.spawn(
+            [sys.executable, "-c", code], log, "the raw-stream prototype", b.port, cwd=directory
+        )
+        return b
     if name == "redis-py":
         b = Backend(name, "redis")
         b.port = start_redis(b, directory)
@@ -151,7 +162,7 @@ def start_backend(
         flags += ["--ram-bytes", "1", "--disk-bytes", "0", "--write-policy", "write-through",
                   "--redis-url", f"redis://127.0.0.1:{redis_port}", "--redis-timeout", "60s"]  # fmt: skip
     else:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS + PROTOTYPES)}")
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     # kvtier.cli's main, with extra channel arguments appended to the server's own.
     code = ("import sys; import kvtier.cacheserver.server as s; base = s.grpc_options; "
