@@ -147,8 +147,6 @@ class KvtierConnector(KVConnectorBase_V1):
                 layer_order=group.layer_names,
                 breaker=self._breaker,
                 recorder=self._recorder,
-                load=load,
-                save=save,
             )
         logger.info(
             "kvtier: %s connector for %s, tier %s, chunk %d tokens, load=%s save=%s",

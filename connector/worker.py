@@ -56,8 +56,6 @@ class KvtierWorker:
         layer_order: Sequence[str],
         breaker: CircuitBreaker,
         recorder: Recorder,
-        load: bool = True,
-        save: bool = True,
     ) -> None:
         self._config = config
         self._tier = tier
@@ -66,8 +64,6 @@ class KvtierWorker:
         self._layer_order = list(layer_order)
         self._breaker = breaker
         self._recorder = recorder
-        self._load = load
-        self._save = save
         self._layers: list[torch.Tensor] = []
         self._block_dim = 0
         self._dtype = ""

@@ -205,6 +205,35 @@ def test_chunked_prefill_saves_each_chunk_once_when_complete() -> None:
     assert [s.block_ids for s in second.saves] == [(2, 3), (4, 5)]
 
 
+def test_preempted_request_reloads_into_new_blocks_without_a_second_lookup() -> None:
+    tier = FakeTier(held=2)
+    scheduler, _ = make_scheduler(tier)
+    req = request(1000)
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, blocks(list(range(8))), ext)
+    scheduler.build_connector_meta(step([(req, list(range(8)), 512, 488)]))
+    # preempted: blocks freed; rescheduled later with other blocks
+    ext_again, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    new_ids = list(range(30, 38))
+    scheduler.update_state_after_alloc(req, blocks(new_ids), ext_again)
+    resumed = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r"],
+            resumed_req_ids={"r"},
+            new_block_ids=[(new_ids,)],
+            num_computed_tokens=[512],
+        ),
+        num_scheduled_tokens={"r": 488},
+    )
+
+    plan = scheduler.build_connector_meta(resumed)
+
+    assert ext_again == 512 and len(tier.lookups) == 1
+    assert [c.block_ids for c in plan.loads[0].chunks] == [(30, 31), (32, 33)]
+    assert plan.saves == []  # chunk 2 was saved before the preemption
+
+
 def test_finished_request_is_forgotten() -> None:
     tier = FakeTier(held=1)
     scheduler, _ = make_scheduler(tier)
