@@ -87,7 +87,7 @@ class KvtierScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        state.block_ids = list(blocks.get_block_ids()[0])
+        # The block ids come with the step (build_connector_meta), new or resumed.
         if num_external_tokens > 0:
             state.load_range = (state.local_tokens, state.local_tokens + num_external_tokens)
 
