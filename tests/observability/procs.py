@@ -1,0 +1,207 @@
+"""Real processes the observability tests (and tools/render_dashboard.py) scrape.
+
+- ``VllmServer``: vLLM's OpenAI-compatible server with the kvtier connector; its
+  ``/metrics`` carries vLLM's series and the connector's ``kvtier_connector_*``.
+- ``Prometheus``: Debian's ``prometheus`` scraping given targets every second,
+  with its HTTP API on a free 127.0.0.1 port and its data in a tmp dir.
+
+Both are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.redisprocs import free_port
+
+VLLM_START_TIMEOUT_S = 300.0
+PROMETHEUS_START_TIMEOUT_S = 60.0
+# Generous connector deadlines: hits are what is asserted, on a busy 2-core machine.
+RELAXED = {"lookup_timeout_s": 10.0, "load_timeout_s": 20.0, "save_timeout_s": 20.0}
+
+
+def http_get(url: str, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return str(r.read().decode())
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@dataclass
+class VllmServer:
+    proc: subprocess.Popen[bytes]
+    url: str
+    model_name: str
+    log: Path
+
+    @classmethod
+    def start(cls, model: Path, work_dir: Path, tier_target: str, *, model_name: str) -> VllmServer:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        transfer = {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.connector.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"target": tier_target, **RELAXED},
+        }
+        args = [
+            sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", model_name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
+            "--no-enable-prefix-caching",  # repeats come from the tier, not vLLM's own cache
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
+            "TMPDIR": str(work_dir),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        log = work_dir / "vllm-server.log"
+        with log.open("ab") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work_dir)
+        server = cls(proc, f"http://127.0.0.1:{port}", model_name, log)
+        deadline = time.monotonic() + VLLM_START_TIMEOUT_S
+        while not _up(f"{server.url}/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"vLLM server did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        return server
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
+
+    def metrics(self) -> str:
+        return http_get(self.metrics_url)
+
+    def complete(self, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            result: dict[str, Any] = json.loads(r.read())
+            return result
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+@dataclass
+class Prometheus:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @classmethod
+    def start(cls, work_dir: Path, targets: dict[str, str], *, binary: str = "prometheus") -> Prometheus:
+        """``targets``: job name -> metrics URL (``http://host:port/path``), scraped every second."""
+        work_dir.mkdir(parents=True, exist_ok=True)
+        jobs = []
+        for job, url in targets.items():
+            parts = urllib.parse.urlsplit(url)
+            jobs.append(
+                {
+                    "job_name": job,
+                    "scrape_interval": "1s",
+                    "scrape_timeout": "1s",
+                    "metrics_path": parts.path or "/metrics",
+                    "static_configs": [{"targets": [parts.netloc]}],
+                }
+            )
+        config = work_dir / "prometheus.yml"
+        # JSON is YAML: no YAML writer needed.
+        config.write_text(json.dumps({"global": {"evaluation_interval": "1s"}, "scrape_configs": jobs}))
+        port = free_port()
+        args = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={work_dir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+        ]
+        log = work_dir / "prometheus.log"
+        with log.open("ab") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=work_dir)
+        prom = cls(proc, f"http://127.0.0.1:{port}", log)
+        deadline = time.monotonic() + PROMETHEUS_START_TIMEOUT_S
+        while not _up(f"{prom.url}/-/ready"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                prom.stop()
+                raise RuntimeError(f"prometheus did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        return prom
+
+    def _api(self, path: str, **params: str) -> Any:
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            body = json.loads(http_get(url))
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{path} {params}: {exc.read().decode()}") from exc
+        if body.get("status") != "success":
+            raise RuntimeError(f"{path} {params}: {body}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant vector: ``[{"metric": {...}, "value": [t, "v"]}, ...]``."""
+        params = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        data = self._api("query", **params)
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
+        """A range vector: ``[{"metric": {...}, "values": [[t, "v"], ...]}, ...]``."""
+        data = self._api(
+            "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step_s}"
+        )
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def wait_scraped(self, expr: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """Waits until ``expr`` returns something (the targets were scraped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(expr)
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no result for {expr} after {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        _stop(self.proc)
