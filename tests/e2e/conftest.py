@@ -66,7 +66,8 @@ def module_tier(module_dir: Path) -> Iterator[TierProcess]:
 @pytest.fixture(scope="module")
 def start_engine(module_dir: Path) -> Iterator[Callable[..., EngineProcess]]:
     """Starts engine processes (``start_engine(model, name=..., extra_config=...)``),
-    closed at the end of the module."""
+    closed at the end of the module. With ``wait=False`` it returns at once: call
+    ``engine.wait_ready()`` after starting the others."""
     engines: list[EngineProcess] = []
 
     def start(model: Path, *, name: str, **kwargs: Any) -> EngineProcess:
@@ -75,5 +76,7 @@ def start_engine(module_dir: Path) -> Iterator[Callable[..., EngineProcess]]:
         return engine
 
     yield start
+    for engine in engines:
+        engine.begin_close()
     for engine in engines:
         engine.close()

@@ -52,6 +52,7 @@ class EngineProcess:
         kv_role: str = "kv_both",
         multimodal: bool = False,
         name: str = "engine",
+        wait: bool = True,
     ) -> EngineProcess:
         work_dir.mkdir(parents=True, exist_ok=True)
         spec = {
@@ -83,8 +84,14 @@ class EngineProcess:
                 env=env,
             )
         engine = cls(proc, log)
-        engine._reply(START_TIMEOUT_S)  # "ready"
+        if wait:
+            engine.wait_ready()
         return engine
+
+    def wait_ready(self) -> None:
+        """Block until the engine has started (``start(..., wait=False)`` returns at once,
+        so several engines can start side by side)."""
+        self._reply(START_TIMEOUT_S)
 
     def generate(self, prompts: list[dict[str, Any]], max_tokens: int = 16) -> list[Output]:
         reply = self.call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens})
@@ -132,17 +139,20 @@ class EngineProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
+        self.begin_close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        if self.proc.stdout is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdout.close()
+
+    def begin_close(self) -> None:
+        """Ask the engine to exit (closing its input) without waiting for it."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -30,8 +30,10 @@ def engines(
     vl_model: Path, module_tier: TierProcess, start_engine: Callable[..., EngineProcess]
 ) -> tuple[EngineProcess, EngineProcess]:
     config = {"target": module_tier.target, "chunk_size": CHUNK, **RELAXED}
-    a = start_engine(vl_model, name="a", extra_config=config, multimodal=True)
-    b = start_engine(vl_model, name="b", extra_config=config, multimodal=True)
+    a = start_engine(vl_model, name="a", extra_config=config, multimodal=True, wait=False)
+    b = start_engine(vl_model, name="b", extra_config=config, multimodal=True, wait=False)
+    a.wait_ready()
+    b.wait_ready()
     return a, b
 
 

@@ -37,10 +37,11 @@ def engines(
     text_model: Path, tier: TierProcess, start_engine: Callable[..., EngineProcess]
 ) -> tuple[EngineProcess, EngineProcess]:
     config = {"target": tier.target, "chunk_size": CHUNK, **RELAXED}
-    return (
-        start_engine(text_model, name="a", extra_config=config),
-        start_engine(text_model, name="b", extra_config=config),
-    )
+    a = start_engine(text_model, name="a", extra_config=config, wait=False)
+    b = start_engine(text_model, name="b", extra_config=config, wait=False)
+    a.wait_ready()
+    b.wait_ready()
+    return a, b
 
 
 @pytest.fixture
