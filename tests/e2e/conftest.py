@@ -18,8 +18,8 @@ RELAXED = {"lookup_timeout_s": 10.0, "load_timeout_s": 20.0, "save_timeout_s": 2
 
 # Short deadlines and cool-down so the fault tests finish fast (defaults: docs/connector.md).
 FAST_FAULTS = {
-    "lookup_timeout_s": 1.5,
-    "load_timeout_s": 2.0,
+    "lookup_timeout_s": 2.5,
+    "load_timeout_s": 3.0,
     "save_timeout_s": 2.0,
     "breaker_failures": 2,
     "breaker_cooldown_s": 0.5,
