@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import tierpeers
-from bench.tierpeers import BACKENDS, PROTOTYPES, ROOT, Backend
+from bench.tierpeers import BACKENDS, ROOT, Backend
 
 MIB = 1 << 20
 OPS = ("GET", "PUT")
@@ -340,8 +340,8 @@ def run(args: argparse.Namespace) -> Results:
     clients = [int(k) for k in args.clients.split(",")]
     backends = [b.strip() for b in args.backends.split(",")] if args.backends else list(BACKENDS)
     for b in backends:
-        if b not in BACKENDS + PROTOTYPES:
-            known = ", ".join(BACKENDS + PROTOTYPES)
+        if b not in BACKENDS:
+            known = ", ".join(BACKENDS)
             raise SystemExit(f"--backends: unknown backend {b!r}; known: {known}")
     config = {"sizes_mib": sizes, "clients": clients, "rounds": args.repeat, "backends": backends,
               "batch_mib": args.batch_mib, "mib_per_client": args.mib_per_client,
@@ -432,7 +432,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backends",
         default="",
-        help=f"comma-separated, of: {', '.join(BACKENDS + PROTOTYPES)} (default: all but the last)",
+        help=f"comma-separated, of: {', '.join(BACKENDS)} (default: all)",
     )
     p.add_argument(
         "--batch-mib",

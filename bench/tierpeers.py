@@ -14,12 +14,12 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
   own ``LMCServerConnector``, GETs go one at a time; PUTs have no reply, so a
   batch ends with a HEALTH round trip (the server handles a connection's
   commands in order: its answer means every PUT before it is stored).
-- ``kvtier RAM raw stream`` (only when asked for): ``bench.rawstore``, a prototype of
-  a raw-bytes data port in front of kvtier's store.
-- ``kvtier RAM`` / ``kvtier disk`` / ``kvtier Redis``: ``kvtier server`` over gRPC
-  through ``kvtier.connector.client.TierClient``. The disk and Redis rows give
-  the RAM tier 1 byte (every value lands in and is read from the lower tier)
-  and write through, so a PUT returns once the lower tier holds the value.
+- ``kvtier RAM`` / ``kvtier disk`` / ``kvtier Redis``: ``kvtier server`` through
+  ``kvtier.connector.client.TierClient``, values over the tier's data port
+  (``--data-port``; the client is told to require it). The disk and Redis rows
+  give the RAM tier 1 byte (every value lands in and is read from the lower
+  tier) and write through, so a PUT returns once the lower tier holds the value.
+- ``kvtier RAM gRPC``: the same RAM tier with values over gRPC (no data port).
 """
 
 from __future__ import annotations
@@ -42,9 +42,15 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 300.0
 
-BACKENDS = ("raw TCP", "redis-py", "LMCache", "kvtier RAM", "kvtier disk", "kvtier Redis")
-# Prototypes of data-path changes, measured only when named in --backends.
-PROTOTYPES = ("kvtier RAM raw stream",)
+BACKENDS = (
+    "raw TCP",
+    "redis-py",
+    "LMCache",
+    "kvtier RAM",
+    "kvtier RAM gRPC",
+    "kvtier disk",
+    "kvtier Redis",
+)
 
 
 def free_port() -> int:
@@ -73,7 +79,7 @@ class Backend:
     """One store under test: its server processes (stopped by PID) and where it listens."""
 
     name: str
-    kind: str  # client adapter: "raw", "redis", "lmcache", "kvtier"
+    kind: str  # client adapter: "raw", "redis", "lmcache", "kvtier" (data port), "kvtier-grpc"
     port: int = 0
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -130,13 +136,6 @@ def start_backend(
         code = f"import sys; sys.path.append({str(ROOT)!r}); from bench.rawtcp import serve; serve('127.0.0.1', {b.port})"
         b.spawn([sys.executable, "-c", code], log, "the raw TCP server", b.port, cwd=directory)
         return b
-    if name == "kvtier RAM raw stream":  # bench/rawstore.py: kvtier's store, no gRPC
-        b = Backend(name, "raw", free_port())
-        code = f"import sys; sys.path.append({str(ROOT)!r}); import asyncio; from bench.rawstore import serve; asyncio.run(serve('127.0.0.1', {b.port}))"
-        b.spawn(
-            [sys.executable, "-c", code], log, "the raw-stream prototype", b.port, cwd=directory
-        )
-        return b
     if name == "redis-py":
         b = Backend(name, "redis")
         b.port = start_redis(b, directory)
@@ -148,11 +147,13 @@ def start_backend(
         args = [lmcache_python, "-m", "lmcache.v1.server", "127.0.0.1", str(b.port)]
         b.spawn(args, log, "LMCache's server", b.port, cwd=directory)
         return b
-    b = Backend(name, "kvtier", free_port())
+    b = Backend(name, "kvtier-grpc" if name == "kvtier RAM gRPC" else "kvtier", free_port())
     flags = ["--host", "127.0.0.1", "--port", str(b.port), "--metrics-port", "0",
              "--frame-bytes", str(frame_bytes), "--log-level", "warning",
              "--tier-timeout", "60s", "--grace-period", "1s"]  # fmt: skip
-    if name == "kvtier RAM":
+    if b.kind == "kvtier":
+        flags += ["--data-port", str(free_port())]
+    if name in ("kvtier RAM", "kvtier RAM gRPC"):
         flags += ["--ram-bytes", "8GiB", "--disk-bytes", "0"]
     elif name == "kvtier disk":
         flags += ["--ram-bytes", "1", "--disk-dir", str(directory / "disk"),
@@ -162,7 +163,7 @@ def start_backend(
         flags += ["--ram-bytes", "1", "--disk-bytes", "0", "--write-policy", "write-through",
                   "--redis-url", f"redis://127.0.0.1:{redis_port}", "--redis-timeout", "60s"]  # fmt: skip
     else:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS + PROTOTYPES)}")
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     # kvtier.cli's main, with extra channel arguments appended to the server's own.
     code = ("import sys; import kvtier.cacheserver.server as s; base = s.grpc_options; "
@@ -278,7 +279,11 @@ def _recv(sock: socket.socket, n: int) -> bytearray:
 
 class KvtierAdapter:
     def __init__(
-        self, port: int, frame_bytes: int, grpc_options: Sequence[tuple[str, int]] = ()
+        self,
+        port: int,
+        frame_bytes: int,
+        grpc_options: Sequence[tuple[str, int]] = (),
+        data_path: str = "data",
     ) -> None:
         import grpc
 
@@ -289,7 +294,10 @@ class KvtierAdapter:
             grpc.insecure_channel = lambda t, options=(): channel(t, [*options, *grpc_options])  # type: ignore[assignment]
         try:
             self.c = TierClient(
-                f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, frame_bytes=frame_bytes
+                f"127.0.0.1:{port}",
+                timeout_s=CALL_TIMEOUT_S,
+                frame_bytes=frame_bytes,
+                data_path=data_path,
             )
         finally:
             grpc.insecure_channel = channel
@@ -315,7 +323,7 @@ def connect(
         return RedisAdapter(port)
     if kind == "lmcache":
         return LMCacheAdapter(port)
-    return KvtierAdapter(port, frame_bytes, grpc_options)
+    return KvtierAdapter(port, frame_bytes, grpc_options, "grpc" if kind == "kvtier-grpc" else "data")
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvtier.cacheserver.auth import TokenAuth
+from kvtier.cacheserver.dataport import DataPort, ssl_context
 from kvtier.cacheserver.disk import DiskTier
 from kvtier.cacheserver.metrics import ServerMetrics, TierCollector
 from kvtier.cacheserver.ram import RamTier
@@ -44,7 +45,13 @@ class RunningServer:
     metrics: ServerMetrics
     port: int
     metrics_port: int = 0
+    data: DataPort | None = None
     _http: object = field(default=None, repr=False)
+
+    @property
+    def data_port(self) -> int:
+        """The bound data port (0: off)."""
+        return 0 if self.data is None else self.data.port
 
     @property
     def target(self) -> str:
@@ -54,7 +61,10 @@ class RunningServer:
         grace = self.settings.grace_period_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         self.metrics.healthy.set(0)
-        await self.server.stop(grace)
+        if self.data is None:
+            await self.server.stop(grace)
+        else:
+            await asyncio.gather(self.server.stop(grace), self.data.close(grace))
         if not await self.store.drain(grace):
             logger.warning("shutdown: write-behind copies still pending after %.1fs were dropped", grace)
         await self.store.close()
@@ -150,13 +160,21 @@ async def start(settings: Settings, *, tenant_of: TenantOf | None = None) -> Run
     if port == 0:
         await store.close()
         raise OSError(f"cannot listen on {settings.host}:{settings.port} (in use or not an address of this host)")
+    data = None
+    if settings.data_port:
+        data = DataPort(store, settings, metrics, tenant_of, ssl_context(settings))
+        try:
+            await data.start()
+        except OSError:
+            await store.close()
+            raise
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING
     await health_servicer.set("", serving)
     await health_servicer.set(SERVICE_NAME, serving)
     metrics.healthy.set(1)
 
-    running = RunningServer(settings, server, store, health_servicer, metrics, port)
+    running = RunningServer(settings, server, store, health_servicer, metrics, port, data=data)
     if settings.metrics_port:
         http, _thread = start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
         running._http = http
@@ -172,8 +190,9 @@ async def serve(settings: Settings) -> int:
         for t in running.store.tiers
     )
     logger.info(
-        "kvtier server listening on %s (tiers: %s; metrics on :%s/metrics)",
+        "kvtier server listening on %s (data port %s; tiers: %s; metrics on :%s/metrics)",
         running.target,
+        running.data_port or "off",
         tiers,
         running.metrics_port or "off",
     )

@@ -120,6 +120,7 @@ class CacheServicer:
             frame_bytes=self.settings.frame_bytes,
             max_keys_per_request=self.settings.max_keys,
             tenant=tenant,
+            data_port=self.settings.data_port,
         )
 
     # -- streams (raw frames) -------------------------------------------------------

@@ -69,6 +69,8 @@ def default_disk_dir() -> Path:
 class Settings:
     host: str = "127.0.0.1"
     port: int = 50051
+    data_port: int = 0
+    data_timeout_s: float = 30.0
     metrics_port: int = 9400
     ram_bytes: int = 2 << 30
     disk_dir: Path | None = None
@@ -149,6 +151,12 @@ def _choice(*values: str) -> Callable[[str], str]:
 _FLAGS = [
     _Flag("host", "host", str, "address to listen on (0.0.0.0 in a pod)", "an IP address or host name"),
     _Flag("port", "port", _port, "gRPC port (0: pick a free one)", "a port number 0..65535"),
+    _Flag("data-port", "data_port", _port,
+          "raw-bytes data port for Get/Put values (same auth and TLS as gRPC; advertised in Stats); "
+          "0: off (50052 is the recommended port)", "a port number 0..65535"),
+    _Flag("data-timeout", "data_timeout_s", parse_duration,
+          "a data-port connection that sends nothing for this long (idle, or stalled inside a request) is closed",
+          "a duration such as 30s"),
     _Flag("metrics-port", "metrics_port", _port, "Prometheus /metrics HTTP port (0: off)", "a port number 0..65535"),
     _Flag("ram-bytes", "ram_bytes", parse_size, "RAM tier capacity", "a size such as 2GiB"),
     _Flag("disk-dir", "disk_dir", Path, "disk tier directory (default ~/.cache/kvtier/tier)", "a directory path"),
@@ -252,7 +260,13 @@ def _check(s: Settings) -> None:
         raise bad("max-key-bytes", "must be at most 1024")
     if s.redis_url is not None and not re.match(r"^(redis|rediss|unix|redis\+cluster|rediss\+cluster)://", s.redis_url):
         raise bad("redis-url", "must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://")
-    for flag, value in (("redis-timeout", s.redis_timeout_s), ("tier-timeout", s.tier_timeout_s)):
+    if s.data_port and s.data_port in (s.port, s.metrics_port):
+        raise bad("data-port", f"{s.data_port} is already the gRPC or metrics port; give it a port of its own")
+    for flag, value in (
+        ("redis-timeout", s.redis_timeout_s),
+        ("tier-timeout", s.tier_timeout_s),
+        ("data-timeout", s.data_timeout_s),
+    ):
         if value <= 0:
             raise bad(flag, "must be greater than 0")
     for flag, path in (

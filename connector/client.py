@@ -6,20 +6,35 @@ Values move as raw frames (``kvtier.proto.wire``): a value is sent as frames
 of at most ``frame_bytes`` without protobuf copies, and a received single-frame
 value is handed out as a view into the received message.
 
+Get and Put move values over the tier's data port (raw bytes, no frames:
+``kvtier.connector.dataport``) when the tier advertises one in ``Stats``
+(``data_path="auto"``, the default): on the gRPC target's host, with the same
+token and TLS files. When the data port cannot be reached the client logs it
+once and uses gRPC, and tries the data port again after ``DATA_RETRY_S``.
+Lookup, Delete and Stats always use gRPC.
+
 Errors: any transport failure or deadline raises ``TierUnavailable``; a call
 the server refuses (bad key, limit) raises ``TierRejected`` with the server's
-message. Nothing else escapes.
+message. Nothing else escapes. Both paths raise the same errors for the same
+causes.
 """
 
 from __future__ import annotations
 
+import logging
+import ssl
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 from typing_extensions import Buffer
 
-from kvtier.connector.errors import TierRejected, TierUnavailable
+from kvtier.connector.dataport import DataConnectError, DataPool
+from kvtier.connector.errors import ConfigError, TierError, TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2, wire
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_FRAME_BYTES = 4 << 20
 _UNAVAILABLE = {
@@ -32,6 +47,10 @@ _UNAVAILABLE = {
 }
 
 Value = Buffer | Sequence[Buffer]
+DATA_PATHS = ("auto", "grpc", "data")
+# After the data port could not be used (or the tier advertised none), "auto"
+# stays on gRPC this long before it asks again.
+DATA_RETRY_S = 60.0
 
 
 class TierClient:
@@ -47,15 +66,27 @@ class TierClient:
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        data_path: str = "auto",
     ) -> None:
         """``token``: bearer token of the caller's tenant. TLS is on when ``tls`` is set or
         any ``tls_*`` file is given (``tls_ca_file``: the CA that signed the tier's
         certificate, else the system roots; ``tls_cert_file``/``tls_key_file``: a client
-        certificate for mutual TLS)."""
+        certificate for mutual TLS). ``data_path``: "auto" (Get/Put over the tier's data
+        port when it advertises one, else gRPC), "grpc" (never the data port) or "data"
+        (always the data port: a tier without one is ``TierUnavailable``)."""
+        if data_path not in DATA_PATHS:
+            raise ConfigError(f"data_path={data_path!r}: expected one of {', '.join(DATA_PATHS)}")
         self.target = target
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
+        self.data_path = data_path
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._data_host = _host(target)
+        self._data: DataPool | None = None
+        self._data_lock = threading.Lock()
+        self._data_retry_at = 0.0
+        self._data_warned = False
+        self._ssl: ssl.SSLContext | None = None
         options = [
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", frame_bytes + (1 << 20)),
@@ -68,6 +99,9 @@ class TierClient:
                 certificate_chain=_read(tls_cert_file),
             )
             self._channel = grpc.secure_channel(target, credentials, options=options)
+            self._ssl = ssl.create_default_context(cafile=tls_ca_file)
+            if tls_cert_file:
+                self._ssl.load_cert_chain(tls_cert_file, tls_key_file)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         path = f"/{SERVICE_NAME}/"
@@ -104,6 +138,10 @@ class TierClient:
         self.close()
 
     def close(self) -> None:
+        with self._data_lock:
+            data, self._data = self._data, None
+        if data is not None:
+            data.close()
         self._channel.close()
 
     def _timeout(self, timeout_s: float | None) -> float:
@@ -117,7 +155,9 @@ class TierClient:
             return 0
         with _errors("Lookup"):
             response = self._lookup(
-                cache_pb2.LookupRequest(keys=keys), timeout=self._timeout(timeout_s), metadata=self._metadata
+                cache_pb2.LookupRequest(keys=keys),
+                timeout=self._timeout(timeout_s),
+                metadata=self._metadata,
             )
         return int(response.prefix_length)
 
@@ -133,10 +173,20 @@ class TierClient:
         out: list[bytes | memoryview | None] = []
         if not keys:
             return out
+        data = self._data_pool(timeout_s)
+        if data is not None:
+            try:
+                return data.get(
+                    keys, stop_at_first_miss=stop_at_first_miss, timeout_s=self._timeout(timeout_s)
+                )
+            except DataConnectError as exc:
+                self._data_failed(exc)
         request = cache_pb2.GetRequest(keys=keys, stop_at_first_miss=stop_at_first_miss)
         buf: bytearray | None = None
         with _errors("Get"):
-            for raw in self._get(request, timeout=self._timeout(timeout_s), metadata=self._metadata):
+            for raw in self._get(
+                request, timeout=self._timeout(timeout_s), metadata=self._metadata
+            ):
                 frame = wire.decode_get_frame(raw)
                 if frame.index != len(out):
                     raise TierRejected(f"Get: frame for key {frame.index} arrived out of order")
@@ -160,6 +210,14 @@ class TierClient:
     def put(self, items: Iterable[tuple[bytes, Value]], *, timeout_s: float | None = None) -> int:
         """Stores values; returns how many the tier stored. A value may be given as
         several buffers (e.g. a codec header and the payload): they are sent as one."""
+        data = self._data_pool(timeout_s)
+        if data is not None:
+            listed = [(key, _pieces(value)) for key, value in items]
+            items = listed
+            try:
+                return data.put(listed, timeout_s=self._timeout(timeout_s))
+            except DataConnectError as exc:
+                self._data_failed(exc)
         with _errors("Put"):
             response = self._put(
                 self._frames(items), timeout=self._timeout(timeout_s), metadata=self._metadata
@@ -169,7 +227,9 @@ class TierClient:
     def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         with _errors("Delete"):
             response = self._delete(
-                cache_pb2.DeleteRequest(keys=keys), timeout=self._timeout(timeout_s), metadata=self._metadata
+                cache_pb2.DeleteRequest(keys=keys),
+                timeout=self._timeout(timeout_s),
+                metadata=self._metadata,
             )
         return int(response.deleted)
 
@@ -180,13 +240,64 @@ class TierClient:
             )
         return response
 
+    # -- the data port --------------------------------------------------------------
+
+    def _data_pool(self, timeout_s: float | None) -> DataPool | None:
+        """The data-port pool to use for this call, or None for gRPC (asks Stats once)."""
+        if self.data_path == "grpc" or self._data is not None:
+            return self._data
+        if self.data_path == "auto" and (
+            self._data_host is None or time.monotonic() < self._data_retry_at
+        ):
+            return None
+        with self._data_lock:
+            if self._data is not None:
+                return self._data
+            if self.data_path == "auto" and time.monotonic() < self._data_retry_at:
+                return None
+            try:
+                port = self.stats(timeout_s=timeout_s).data_port
+            except TierError:
+                if self.data_path == "data":
+                    raise
+                self._data_retry_at = time.monotonic() + DATA_RETRY_S
+                return None
+            if not port or self._data_host is None:
+                if self.data_path == "data":
+                    raise TierUnavailable(
+                        f"the tier at {self.target} has no data port reachable from here "
+                        "(start it with --data-port, or use data_path='auto')"
+                    )
+                self._data_retry_at = time.monotonic() + DATA_RETRY_S
+                return None
+            authorization = None if self._metadata is None else self._metadata[0][1]
+            self._data = DataPool(
+                self._data_host, port, authorization=authorization, context=self._ssl
+            )
+            return self._data
+
+    def _data_failed(self, exc: DataConnectError) -> None:
+        if self.data_path == "data":
+            raise TierUnavailable(f"UNAVAILABLE: {exc}") from exc
+        with self._data_lock:
+            data, self._data = self._data, None
+            self._data_retry_at = time.monotonic() + DATA_RETRY_S
+            warned, self._data_warned = self._data_warned, True
+        if data is not None:
+            data.close()
+        log = logger.debug if warned else logger.warning
+        log(
+            "kvtier: %s; moving values over gRPC, trying the data port again in %.0fs",
+            exc,
+            DATA_RETRY_S,
+        )
+
     # -- framing --------------------------------------------------------------------
 
     def _frames(self, items: Iterable[tuple[bytes, Value]]) -> Iterator[bytes]:
         limit = self.frame_bytes - wire.FRAME_OVERHEAD
         for key, value in items:
-            pieces: Sequence[Buffer] = value if isinstance(value, list | tuple) else [value]  # type: ignore[list-item]
-            parts = [memoryview(p).cast("B") for p in pieces]
+            parts = [memoryview(p).cast("B") for p in _pieces(value)]
             total = sum(p.nbytes for p in parts)
             offset = 0
             first = True
@@ -209,6 +320,21 @@ class TierClient:
     @staticmethod
     def _frame(key: bytes, total: int, offset: int, pieces: list[memoryview]) -> bytes:
         return wire.encode_put_frame(key, total if key else 0, offset, *pieces)
+
+
+def _pieces(value: Value) -> Sequence[Buffer]:
+    return value if isinstance(value, list | tuple) else [value]  # type: ignore[list-item]
+
+
+def _host(target: str) -> str | None:
+    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port"); None for unix: targets."""
+    t = target.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    if t.startswith("unix:") or not t:
+        return None
+    if t.startswith("["):
+        return t[1 : t.index("]")] if "]" in t else None
+    host = t.rsplit(":", 1)[0] if t.count(":") == 1 else t
+    return host or None
 
 
 def _read(path: str | None) -> bytes | None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = {"raw TCP", "redis-py", "LMCache", "kvtier RAM", "kvtier disk", "kvtier Redis"}
+BACKENDS = {"raw TCP", "redis-py", "LMCache", "kvtier RAM", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis"}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_results_cover_every_cell_with_positive_throughput(
 
 def test_goals_are_reported_for_kvtier(tiny_run: tuple[dict[str, Any], str, str]) -> None:
     data, stdout, _ = tiny_run
-    assert set(data["goals"]) == {"kvtier RAM", "kvtier disk", "kvtier Redis"}
+    assert set(data["goals"]) == {"kvtier RAM", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis"}
     assert all(isinstance(g["met"], bool) for g in data["goals"]["kvtier RAM"])
     assert "Goals (kvtier RAM):" in stdout
 

@@ -97,15 +97,17 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "max_value_bytes", "frame_bytes", "max_keys_per_request", "tenant")
+    __slots__ = ("tiers", "max_value_bytes", "frame_bytes", "max_keys_per_request", "tenant", "data_port")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     max_value_bytes: int
     frame_bytes: int
     max_keys_per_request: int
     tenant: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., max_value_bytes: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., max_value_bytes: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., tenant: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
