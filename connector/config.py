@@ -34,7 +34,7 @@ class ConnectorConfig:
     """Bearer token for the tier (or name an environment variable with ``token_env``)."""
     model_id: str | None = None
     """Model identity pinned in keys; default: the engine's ``--model`` (name or path)."""
-    lookup_timeout_s: float = 0.5
+    lookup_timeout_s: float = 1.0
     """Deadline of the scheduler's one ``Lookup`` per request (on the scheduling path)."""
     load_timeout_s: float = 5.0
     """Deadline of one request's chunk ``Get`` before its forward pass."""
