@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
 import xxhash
+
 from kvtier.connector.errors import ChunkDecodeError, ConfigError
 from kvtier.connector.keys import FINGERPRINT_SIZE, key_fingerprint
 

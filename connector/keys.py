@@ -36,6 +36,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING, Final, Protocol
 
 import xxhash
+
 from kvtier.connector.errors import ConfigError
 
 if TYPE_CHECKING:
