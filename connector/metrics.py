@@ -57,23 +57,33 @@ PREFIX: Final = "kvtier_connector_"
 
 
 class Recorder:
-    """Thread-safe accumulation of one interval's observations."""
+    """Thread-safe accumulation of one interval's observations.
 
-    def __init__(self) -> None:
+    ``counters``/``histograms``: the names it accepts (default: the KV connector's;
+    the encoder-cache connector passes its own, ``kvtier.connector.ec_metrics``).
+    """
+
+    def __init__(
+        self,
+        counters: dict[str, tuple[str, str | None]] = COUNTERS,
+        histograms: dict[str, str] = HISTOGRAMS,
+    ) -> None:
+        self._known_counters = counters
+        self._known_histograms = histograms
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}
         self._histograms: dict[str, list[float]] = {}
         self._totals: dict[str, float] = {}
 
     def count(self, name: str, value: float = 1, label: str | None = None) -> None:
-        assert name in COUNTERS, name
+        assert name in self._known_counters, name
         key = f"{name}:{label}" if label is not None else name
         with self._lock:
             self._counters[key] = self._counters.get(key, 0) + value
             self._totals[key] = self._totals.get(key, 0) + value
 
     def observe(self, name: str, seconds: float) -> None:
-        assert name in HISTOGRAMS, name
+        assert name in self._known_histograms, name
         with self._lock:
             self._histograms.setdefault(name, []).append(seconds)
 
@@ -121,23 +131,43 @@ def summarize(data: Stats) -> dict[str, int | float]:
 
 
 class PromSeries:
-    """The Prometheus series, created with the metric classes vLLM hands over."""
+    """The Prometheus series, created with the metric classes vLLM hands over
+    (``counters``/``histograms``/``prefix``: as for ``Recorder``)."""
 
-    def __init__(self, counter_cls: Any, histogram_cls: Any, labelnames: list[str]) -> None:
+    def __init__(
+        self,
+        counter_cls: Any,
+        histogram_cls: Any,
+        labelnames: list[str],
+        *,
+        counters: dict[str, tuple[str, str | None]] = COUNTERS,
+        histograms: dict[str, str] = HISTOGRAMS,
+        prefix: str = PREFIX,
+    ) -> None:
         self._counters = {
             name: counter_cls(
-                name=PREFIX + name,
+                name=prefix + name,
                 documentation=doc,
                 labelnames=[*labelnames, label] if label else labelnames,
             )
-            for name, (doc, label) in COUNTERS.items()
+            for name, (doc, label) in counters.items()
         }
+        self._labels = {name: label for name, (_, label) in counters.items()}
         self._histograms = {
             name: histogram_cls(
-                name=PREFIX + name, documentation=doc, labelnames=labelnames, buckets=BUCKETS
+                name=prefix + name, documentation=doc, labelnames=labelnames, buckets=BUCKETS
             )
-            for name, doc in HISTOGRAMS.items()
+            for name, doc in histograms.items()
         }
+
+    def initialize(self, labelvalues: list[object]) -> None:
+        """Create the unlabelled series of one engine at zero, so they are scraped (and
+        graphed) before the first observation."""
+        for name, counter in self._counters.items():
+            if self._labels.get(name) is None:
+                counter.labels(*labelvalues)
+        for histogram in self._histograms.values():
+            histogram.labels(*labelvalues)
 
     def observe(self, data: Stats, labelvalues: list[object]) -> None:
         for key, value in data.get("counters", {}).items():

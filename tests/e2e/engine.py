@@ -53,13 +53,21 @@ class EngineProcess:
         multimodal: bool = False,
         name: str = "engine",
         wait: bool = True,
+        ec_extra_config: dict[str, Any] | None = None,
+        ec_role: str = "ec_both",
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ) -> EngineProcess:
+        """``ec_extra_config``: also (or only) the encoder-cache connector
+        (``kvtier.connector.ec``) with this ``ec_connector_extra_config``."""
         work_dir.mkdir(parents=True, exist_ok=True)
         spec = {
             "model": str(model),
             "extra_config": extra_config,
             "kv_role": kv_role,
             "multimodal": multimodal,
+            "ec_extra_config": ec_extra_config,
+            "ec_role": ec_role,
+            "limit_mm_per_prompt": limit_mm_per_prompt,
         }
         env = {
             **os.environ,
@@ -118,6 +126,19 @@ class EngineProcess:
     def chunk_keys(self, prompt: str) -> list[bytes]:
         """The chunk keys (rank 0) the connector computes for a text prompt."""
         return [bytes.fromhex(k) for k in self.call({"cmd": "chunk_keys", "prompt": prompt})]
+
+    def ec_stats(self) -> dict[str, float]:
+        """The encoder-cache connector's counters since start (both halves)."""
+        result: dict[str, float] = self.call({"cmd": "ec_stats"})
+        return result
+
+    def encoder_calls(self) -> int:
+        """Forward calls of the model's multimodal encoder (vision or audio tower) so far."""
+        return int(self.call({"cmd": "encoder_calls"}))
+
+    def ec_flush(self) -> None:
+        """Wait until the encoder-cache connector's background sender has sent its queue."""
+        self.call({"cmd": "ec_flush"})
 
     def flush(self) -> None:
         """Wait until the connector's background sender has sent what it queued."""
@@ -199,6 +220,45 @@ def _connector_stats() -> dict[str, float]:
     return totals
 
 
+def _audio(recipe: dict[str, Any]) -> Any:
+    import numpy as np
+
+    rng = np.random.default_rng(recipe["seed"])
+    rate = 16000  # other rates need torchaudio to resample (absent here)
+    return (rng.uniform(-0.5, 0.5, int(rate * recipe.get("seconds", 1.0))).astype(np.float32), rate)
+
+
+def _ec_stats() -> dict[str, float]:
+    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+    if not has_ec_transfer():
+        return {}
+    totals: dict[str, float] = get_ec_transfer().recorder.totals()  # type: ignore[attr-defined]
+    scheduler = _LLM.llm_engine.engine_core.engine_core.scheduler.ec_connector
+    for key, value in scheduler.recorder.totals().items():
+        totals[key] = totals.get(key, 0) + value
+    return totals
+
+
+ENCODER_MODULES = ("visual", "vision_tower", "audio_tower")
+_ENCODER_CALLS = [0]
+
+
+def _count_encoder_calls() -> None:
+    """A forward hook on the model's encoder: proves whether an engine ran it."""
+    runner = _LLM.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    model = runner.model_runner.get_model()
+    for name in ENCODER_MODULES:
+        module = getattr(model, name, None)
+        if module is not None:
+
+            def hook(*_: Any) -> None:
+                _ENCODER_CALLS[0] += 1
+
+            module.register_forward_hook(hook)
+            return
+
+
 _LLM: Any = None
 
 
@@ -227,7 +287,16 @@ def _serve(spec: dict[str, Any]) -> None:
         "dtype": "bfloat16",
     }
     if spec["multimodal"]:
-        kwargs["limit_mm_per_prompt"] = {"image": 2, "video": 0}
+        kwargs["limit_mm_per_prompt"] = spec.get("limit_mm_per_prompt") or {"image": 2, "video": 0}
+    if spec.get("ec_extra_config") is not None:
+        from vllm.config import ECTransferConfig
+
+        kwargs["ec_transfer_config"] = ECTransferConfig(
+            ec_connector="KvtierECConnector",
+            ec_connector_module_path="kvtier.connector.ec",
+            ec_role=spec["ec_role"],
+            ec_connector_extra_config=spec["ec_extra_config"],
+        )
     if spec["extra_config"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector",
@@ -236,6 +305,8 @@ def _serve(spec: dict[str, Any]) -> None:
             kv_connector_extra_config=spec["extra_config"],
         )
     _LLM = LLM(**kwargs)
+    if spec["multimodal"]:
+        _count_encoder_calls()
     reply(result="ready")
     for line in sys.stdin:
         message = json.loads(line)
@@ -254,6 +325,10 @@ def _serve(spec: dict[str, Any]) -> None:
                         prompt["cache_salt"] = p["cache_salt"]
                     if p.get("images"):
                         prompt["multi_modal_data"] = {"image": [_image(i) for i in p["images"]]}
+                    if p.get("audios"):
+                        prompt.setdefault("multi_modal_data", {})["audio"] = [
+                            _audio(a) for a in p["audios"]
+                        ]
                     prompts.append(prompt)
                 outputs = _LLM.generate(prompts, params, use_tqdm=False)
                 reply(
@@ -280,6 +355,15 @@ def _serve(spec: dict[str, Any]) -> None:
                 reply(result=[k[0].hex() for k in keys])
             elif cmd == "stats":
                 reply(result=_connector_stats())
+            elif cmd == "ec_stats":
+                reply(result=_ec_stats())
+            elif cmd == "encoder_calls":
+                reply(result=_ENCODER_CALLS[0])
+            elif cmd == "ec_flush":
+                from vllm.distributed.ec_transfer import get_ec_transfer
+
+                sender = get_ec_transfer().worker.sender  # type: ignore[attr-defined]
+                reply(result=sender.flush(30.0))
             elif cmd == "flush":
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 

@@ -1,0 +1,79 @@
+"""The worker half of the encoder cache: place verified loads, save new outputs in the background.
+
+Loads were fetched and verified by the scheduler half (``ec_scheduler``); here they
+only become tensors in vLLM's encoder cache, before the step gathers its
+multimodal embeddings. A new encoder output is copied to host memory, encoded as a
+kvtier chunk (``codec.encode_chunk``: header with key fingerprint and checksum) and
+handed to the background sender (bounded queue; full queue or open breaker: the
+save is dropped and counted, the engine never waits).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.codec import DTYPE_SIZES, encode_chunk
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.ec_scheduler import ECStepPlan, EncoderLoad
+from kvtier.connector.metrics import Recorder
+from kvtier.connector.sender import PutTier, SaveSender
+
+logger = logging.getLogger(__name__)
+
+
+class KvtierECWorker:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        tier: PutTier,
+        *,
+        device: str,
+        breaker: CircuitBreaker,
+        recorder: Recorder,
+    ) -> None:
+        self._device = device
+        self._recorder = recorder
+        self.sender = SaveSender(
+            tier,
+            capacity=config.save_queue_chunks,
+            batch=config.save_batch_chunks,
+            timeout_s=config.save_timeout_s,
+            breaker=breaker,
+            recorder=recorder,
+        )
+
+    def load(self, plan: ECStepPlan, encoder_cache: dict[str, torch.Tensor]) -> None:
+        for entry in plan.loads:
+            if entry.identifier not in encoder_cache:
+                encoder_cache[entry.identifier] = self._tensor(entry)
+
+    def save(
+        self, plan: ECStepPlan, encoder_cache: dict[str, torch.Tensor], identifier: str
+    ) -> None:
+        key = plan.saves.get(identifier)
+        output = encoder_cache.get(identifier)
+        if key is None or output is None:
+            return
+        if not self.sender.has_room():
+            self._recorder.count("saves_dropped", label="queue_full")
+            return
+        dtype = str(output.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            self._recorder.count("saves_dropped", label="unsupported")
+            logger.debug("kvtier: encoder outputs of dtype %s are not cached", dtype)
+            return
+        host = output.detach().to("cpu", copy=True).contiguous()
+        payload = host.reshape(-1).view(torch.uint8).numpy()
+        parts = encode_chunk(key, payload, dtype=dtype, shape=tuple(host.shape))
+        self.sender.offer(key, parts, payload.nbytes)
+
+    def shutdown(self) -> None:
+        self.sender.close()
+
+    def _tensor(self, entry: EncoderLoad) -> torch.Tensor:
+        dtype = getattr(torch, entry.dtype)
+        flat = torch.frombuffer(bytearray(entry.payload), dtype=torch.uint8)
+        return flat.view(dtype).reshape(entry.shape).to(self._device)

@@ -1,0 +1,94 @@
+"""The encoder cache across two vLLM processes (tiny Qwen2.5-VL): engine A encodes an
+image and saves its output; engine B, another process, loads it and never runs its
+vision encoder (a forward hook counts the encoder's calls), with A's output.
+
+Only the encoder-cache connector is on (no KV connector, no prefix cache): every
+prompt token is computed, only the image's encoder output comes from the tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.engine import EngineProcess
+from tests.ec.conftest import IMAGE, RELAXED, chat, image
+from tests.tierproc import TierProcess
+from tests.tinymodels import prompt_text
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engines(
+    vl_model: Path, module_tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> tuple[EngineProcess, EngineProcess]:
+    config = {"target": module_tier.target, **RELAXED}
+    a = start_engine(vl_model, name="a", ec_extra_config=config, multimodal=True, wait=False)
+    b = start_engine(vl_model, name="b", ec_extra_config=config, multimodal=True, wait=False)
+    a.wait_ready()
+    b.wait_ready()
+    return a, b
+
+
+def encoded_by_a(a: EngineProcess, prompt: str, seed: int) -> list[int]:
+    """A runs its encoder for the image (a miss) and saves the output to the tier."""
+    calls, hits = a.encoder_calls(), a.ec_stats().get("hits", 0)
+    (out,) = a.generate([{"prompt": prompt, "images": [image(seed)]}])
+    assert a.encoder_calls() > calls
+    assert a.ec_stats().get("hits", 0) == hits
+    a.ec_flush()
+    return out.token_ids
+
+
+def test_an_image_encoded_by_one_engine_is_loaded_by_another_without_running_its_encoder(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    a, b = engines
+    prompt = chat(prompt_text(40, seed=1), IMAGE, prompt_text(30, seed=2))
+    expected = encoded_by_a(a, prompt, seed=1)
+    calls, before = b.encoder_calls(), b.ec_stats()
+
+    (out,) = b.generate([{"prompt": prompt, "images": [image(1)]}])
+
+    after = b.ec_stats()
+    assert b.encoder_calls() == calls
+    assert after.get("hits", 0) - before.get("hits", 0) == 1
+    assert after.get("loaded_bytes", 0) > before.get("loaded_bytes", 0)
+    assert out.token_ids == expected
+
+
+def test_a_different_image_misses_and_runs_the_encoder(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    a, b = engines
+    prompt = chat(prompt_text(40, seed=3), IMAGE, prompt_text(30, seed=4))
+    encoded_by_a(a, prompt, seed=3)
+    calls, before = b.encoder_calls(), b.ec_stats()
+
+    b.generate([{"prompt": prompt, "images": [image(4)]}])
+
+    after = b.ec_stats()
+    assert b.encoder_calls() > calls
+    assert after.get("lookups", 0) - before.get("lookups", 0) == 1
+    assert after.get("hits", 0) == before.get("hits", 0)
+
+
+def test_the_loaded_output_matches_a_run_without_the_encoder_cache(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    """A unique cache salt gives B a key no one saved: its encoder runs, a no-cache run."""
+    a, b = engines
+    prompt = chat(prompt_text(50, seed=5), IMAGE, prompt_text(20, seed=6))
+    encoded_by_a(a, prompt, seed=5)
+    calls = b.encoder_calls()
+    (reference,) = b.generate([{"prompt": prompt, "images": [image(5)], "cache_salt": "ref"}])
+    assert b.encoder_calls() > calls
+    calls = b.encoder_calls()
+
+    (out,) = b.generate([{"prompt": prompt, "images": [image(5)]}])
+
+    assert b.encoder_calls() == calls
+    assert out.token_ids == reference.token_ids
