@@ -5,8 +5,32 @@
 ViT) whose image placeholder span is 64 tokens for a 224x224 image. Both use a
 byte-level BPE tokenizer trained locally. Builds are cached: a directory that
 already holds a complete model is returned as is.
+
+One builder per further recipe architecture, each the exact class vLLM serves:
+``build_qwen2_vl_model`` (``Qwen2VLForConditionalGeneration``),
+``build_llava_model`` (``LlavaForConditionalGeneration``, CLIP + Llama),
+``build_gemma3_model`` (``Gemma3ForConditionalGeneration``, SigLIP + a sliding-window
+and a full-attention layer) and ``build_qwen2_audio_model``
+(``Qwen2AudioForConditionalGeneration``, 16 kHz audio). All take ``(out, seed=0)`` and
+return ``out``.
 """
 
-from .build import build_text_model, build_vl_model, prompt_text
+from .build import (
+    build_gemma3_model,
+    build_llava_model,
+    build_qwen2_audio_model,
+    build_qwen2_vl_model,
+    build_text_model,
+    build_vl_model,
+    prompt_text,
+)
 
-__all__ = ["build_text_model", "build_vl_model", "prompt_text"]
+__all__ = [
+    "build_gemma3_model",
+    "build_llava_model",
+    "build_qwen2_audio_model",
+    "build_qwen2_vl_model",
+    "build_text_model",
+    "build_vl_model",
+    "prompt_text",
+]

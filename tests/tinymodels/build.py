@@ -54,30 +54,46 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _write_tokenizer(out: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _write_tokenizer(
+    out: Path,
+    special: list[str] | None = None,
+    plain: tuple[str, ...] = (),
+    eos: str = "<|im_end|>",
+    pad: str = "<|endoftext|>",
+    chat_template: str | None = CHAT_TEMPLATE,
+    **named: str,
+) -> dict[str, int]:
+    """A byte-level BPE tokenizer of ``VOCAB_SIZE`` entries with ``special`` tokens last.
+
+    ``plain`` are added as ordinary (non-special) vocabulary entries, matched verbatim
+    (Gemma 3's processor looks up "\\n\\n" as one token); ``named`` sets tokenizer
+    attributes such as ``image_token``.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special = SPECIAL_TOKENS if special is None else special
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
+        vocab_size=VOCAB_SIZE - len(special) - len(plain),
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    if plain:
+        tok.add_tokens([AddedToken(t, normalized=False) for t in plain])
+    tok.add_special_tokens(special)
+    extra = {"extra_special_tokens": named} if named else {}
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=8192,
+        tokenizer_object=tok, eos_token=eos, pad_token=pad, model_max_length=8192, **extra
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(out))
-    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    return {t: tok.token_to_id(t) for t in [*special, *plain]}
 
 
 def _text_config_kwargs(ids: dict[str, int]) -> dict[str, object]:
@@ -183,5 +199,347 @@ def build_vl_model(out: Path, seed: int = 0) -> Path:
         "merge_size": 2,
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (out / ".complete").touch()
+    return out
+
+
+# -- more architectures (recipes/): each the exact class vLLM serves ------------------------
+
+
+def _save(model: object, out: Path, renames: tuple[tuple[str, str], ...] = ()) -> None:
+    """``save_pretrained``, then rename weight-key prefixes transformers 5 writes
+    differently from what vLLM 0.32 loads (``(old_prefix, new_prefix)`` pairs)."""
+    model.save_pretrained(str(out))  # type: ignore[attr-defined]
+    if not renames:
+        return
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    weights = load_file(str(path))
+    renamed = {}
+    for key, value in weights.items():
+        for old, new in renames:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+                break
+        renamed[key] = value
+    save_file(renamed, str(path), metadata={"format": "pt"})
+
+
+def _write_json(out: Path, name: str, data: dict[str, object]) -> None:
+    (out / name).write_text(json.dumps(data, indent=2))
+
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def build_qwen2_vl_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2VLForConditionalGeneration (ViT depth 2): 64 placeholder tokens per
+    224x224 image, the same tokenizer and prompt format as ``build_vl_model``."""
+    if _done(out):
+        return out
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(out)
+    torch.manual_seed(seed)
+    text = _text_config_kwargs(ids)
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [8, 12, 12],
+    }
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": 128,
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "initializer_range": 0.25,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.dtype = torch.bfloat16
+    _save(Qwen2VLForConditionalGeneration(config).to(torch.bfloat16), out)
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessorPil",
+            "processor_class": "Qwen2VLProcessor",
+            "do_resize": True,
+            "do_rescale": True,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "rescale_factor": 1 / 255,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "min_pixels": 3136,
+            "max_pixels": 1003520,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+        },
+    )
+    (out / ".complete").touch()
+    return out
+
+
+def _llama_text_config(ids: dict[str, int], eos: str, pad: str) -> dict[str, object]:
+    text = _text_config_kwargs(ids)
+    text.update(
+        model_type="llama",
+        bos_token_id=ids[pad],
+        eos_token_id=ids[eos],
+        pad_token_id=ids[pad],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return text
+
+
+LLAVA_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+
+
+def build_llava_model(out: Path, seed: int = 0) -> Path:
+    """A tiny LlavaForConditionalGeneration (2-layer CLIP ViT + 2-layer Llama).
+
+    A 112x112 image is 8x8 patches of 14 px: 64 ``<image>`` placeholder tokens.
+    """
+    if _done(out):
+        return out
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(out, LLAVA_TOKENS, chat_template=None)
+    torch.manual_seed(seed)
+    config = LlavaConfig(
+        text_config=_llama_text_config(ids, "<|im_end|>", "<|endoftext|>"),
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 112,
+            "patch_size": 14,
+            "projection_dim": 64,
+            "initializer_range": 0.25,
+        },
+        image_token_index=ids["<image>"],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    config.dtype = torch.bfloat16
+    model = LlavaForConditionalGeneration(config).to(torch.bfloat16)
+    _save(model, out, (("vision_tower.", "vision_tower.vision_model."),))
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "CLIPImageProcessorPil",
+            "processor_class": "LlavaProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": 112},
+            "do_center_crop": True,
+            "crop_size": {"height": 112, "width": 112},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "do_convert_rgb": True,
+        },
+    )
+    _write_json(
+        out,
+        "processor_config.json",
+        {
+            "processor_class": "LlavaProcessor",
+            "patch_size": 14,
+            "vision_feature_select_strategy": "default",
+            "image_token": "<image>",
+            "num_additional_image_tokens": 1,
+        },
+    )
+    (out / ".complete").touch()
+    return out
+
+
+GEMMA3_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+
+
+def build_gemma3_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Gemma3ForConditionalGeneration: 2-layer SigLIP + a 2-layer decoder whose
+    first layer is sliding-window attention (window 128) and second full attention.
+
+    A 224x224 image is 16x16 patches pooled to 64 ``<image_soft_token>`` placeholders.
+    """
+    if _done(out):
+        return out
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(
+        out,
+        GEMMA3_TOKENS,
+        plain=("\n", "\n\n", "\n\n\n", "\n\n\n\n"),
+        eos="<eos>",
+        pad="<pad>",
+        chat_template=None,
+        boi_token="<start_of_image>",
+        eoi_token="<end_of_image>",
+        image_token="<image_soft_token>",
+    )
+    torch.manual_seed(seed)
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 8192,
+            # 0.25 makes this model's greedy output degenerate; 0.03 does not.
+            "initializer_range": 0.03,
+            "bos_token_id": ids["<bos>"],
+            "eos_token_id": ids["<eos>"],
+            "pad_token_id": ids["<pad>"],
+        },
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 224,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+        mm_tokens_per_image=64,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        initializer_range=0.03,
+        tie_word_embeddings=True,
+    )
+    config.dtype = torch.bfloat16
+    model = Gemma3ForConditionalGeneration(config).to(torch.bfloat16)
+    _save(model, out, (("vision_tower.", "vision_tower.vision_model."),))
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "Gemma3ImageProcessorPil",
+            "processor_class": "Gemma3Processor",
+            "do_resize": True,
+            "size": {"height": 224, "width": 224},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_convert_rgb": True,
+            "do_pan_and_scan": False,
+        },
+    )
+    _write_json(
+        out,
+        "processor_config.json",
+        {"processor_class": "Gemma3Processor", "image_seq_length": 64},
+    )
+    (out / ".complete").touch()
+    return out
+
+
+QWEN2_AUDIO_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|audio_bos|>",
+    "<|AUDIO|>",
+    "<|audio_eos|>",
+]
+
+
+def build_qwen2_audio_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2AudioForConditionalGeneration (2-layer Whisper-style encoder, d_model 64).
+
+    Audio is 16 kHz mono; one second of it becomes 25 ``<|AUDIO|>`` placeholder tokens
+    (100 mel frames, conv stride 2, pooling 2). Prompt format:
+    ``<|audio_bos|><|AUDIO|><|audio_eos|>``.
+    """
+    if _done(out):
+        return out
+    import torch
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(out, QWEN2_AUDIO_TOKENS, chat_template=None)
+    torch.manual_seed(seed)
+    text = _text_config_kwargs(ids)
+    text.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = Qwen2AudioConfig(
+        text_config=text,
+        audio_config={
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "d_model": 64,
+            "max_source_positions": 1500,
+            "initializer_range": 0.25,
+        },
+        audio_token_index=ids["<|AUDIO|>"],
+        tie_word_embeddings=False,
+    )
+    config.dtype = torch.bfloat16
+    model = Qwen2AudioForConditionalGeneration(config).to(torch.bfloat16)
+    _save(model, out, (("language_model.model.model.", "language_model.model."),))
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {
+            "feature_extractor_type": "WhisperFeatureExtractor",
+            "processor_class": "Qwen2AudioProcessor",
+            "feature_size": 128,
+            "sampling_rate": 16000,
+            "hop_length": 160,
+            "chunk_length": 30,
+            "n_fft": 400,
+            "n_samples": 480000,
+            "nb_max_frames": 3000,
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "return_attention_mask": True,
+        },
+    )
     (out / ".complete").touch()
     return out
