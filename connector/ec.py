@@ -53,10 +53,10 @@ from kvtier.connector import ec_metrics, metrics
 from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.client import TierClient
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.ec_keys import EncoderKeySpec, processor_fingerprint
+from kvtier.connector.ec_config import key_spec, parse_config
 from kvtier.connector.ec_scheduler import ECStepPlan, KvtierECScheduler
 from kvtier.connector.ec_worker import KvtierECWorker
-from kvtier.connector.errors import ConfigError, TierError
+from kvtier.connector.errors import TierError
 
 logger = logging.getLogger(__name__)
 
@@ -273,30 +273,6 @@ class KvtierECConnector(ECConnectorBase):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KvtierECPromMetrics:
         return KvtierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
-    """``ec_connector_extra_config`` read as the KV connector's ``ConnectorConfig``;
-    errors name the EC config's keys."""
-    try:
-        return ConnectorConfig.from_extra_config(extra)
-    except ConfigError as exc:
-        message = str(exc).replace("kv_connector_extra_config", "ec_connector_extra_config")
-        raise ConfigError(message) from exc
-
-
-def key_spec(config: ConnectorConfig, vllm_config: Any) -> EncoderKeySpec:
-    """What makes this engine's encoder outputs meaningful (pinned in every key)."""
-    model = vllm_config.model_config
-    mm_config = getattr(model, "multimodal_config", None)
-    processor_kwargs = getattr(mm_config, "mm_processor_kwargs", None)
-    return EncoderKeySpec(
-        model_id=config.model_id or model.model,
-        model_revision=model.revision or "",
-        encoder_dtype=str(model.dtype).removeprefix("torch."),
-        processor=processor_fingerprint(processor_kwargs, model.model),
-        hash_algo=config.hash_algo,
-    )
 
 
 def _device() -> str:
