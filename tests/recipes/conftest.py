@@ -1,0 +1,68 @@
+"""Fixtures for the recipes tests: one tier, and two engine processes per architecture."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import RELAXED
+from tests.e2e.engine import EngineProcess
+from tests.recipes.architectures import ARCHITECTURES, Architecture
+from tests.tierproc import TierProcess
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="session")
+def recipes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("recipes")
+
+
+@pytest.fixture(scope="module")
+def recipes_tier(recipes_dir: Path) -> Iterator[TierProcess]:
+    """One tier for every architecture (keys pin the model, so they never meet)."""
+    tier = TierProcess.start(recipes_dir / "tier")
+    yield tier
+    tier.stop()
+
+
+class Engines:
+    """Engine A saves, engine B (another process) loads; both with the kvtier connector."""
+
+    def __init__(self, arch: Architecture, a: EngineProcess, b: EngineProcess) -> None:
+        self.arch, self.a, self.b = arch, a, b
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda a: a.page)
+def engines(
+    request: pytest.FixtureRequest, recipes_dir: Path, recipes_tier: TierProcess
+) -> Iterator[Engines]:
+    """Two engines of one architecture, alive while its tests run (then the next one's)."""
+    arch: Architecture = request.param
+    model = arch.build(recipes_dir / "models" / arch.page)
+    config = {"target": recipes_tier.target, "chunk_size": CHUNK, **RELAXED}
+    work = recipes_dir / "engines"
+    started: list[EngineProcess] = []
+    try:
+        for name in ("a", "b"):
+            started.append(
+                EngineProcess.start(
+                    model,
+                    work / f"{arch.page}-{name}",
+                    name=name,
+                    extra_config=config,
+                    multimodal=True,
+                    limit_mm_per_prompt=arch.mm_limits,
+                    wait=False,
+                )
+            )
+        for engine in started:
+            engine.wait_ready()
+        yield Engines(arch, *started)
+    finally:
+        for engine in started:
+            engine.begin_close()
+        for engine in started:
+            engine.close()
