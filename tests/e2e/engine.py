@@ -5,8 +5,9 @@ script with an in-process ``LLM`` (VLLM_ENABLE_V1_MULTIPROCESSING=0:
 starts in seconds) and the kvtier connector when ``extra_config`` is given. Each
 process is "another machine" to the others: they share only the tier.
 
-Images travel as recipes (``{"seed": n, "size": [w, h]}``), drawn in the engine
-process, so the parent needs no image library.
+Images travel as recipes (``{"seed": n, "size": [w, h]}``, ``"png": true`` to hand
+vLLM the PNG file as its server does), drawn in the engine process, so the parent
+needs no image library.
 """
 
 from __future__ import annotations
@@ -205,7 +206,17 @@ def _image(recipe: dict[str, Any]) -> Any:
 
     width, height = recipe.get("size", (224, 224))
     rng = np.random.default_rng(recipe["seed"])
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    picture = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    if not recipe.get("png"):
+        return picture
+    # As vLLM's server loads an uploaded PNG: its mm hash is over the file's bytes.
+    import io
+
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    return ImageMediaIO(image_mode="RGB").load_bytes(buf.getvalue())
 
 
 def _connector_stats() -> dict[str, float]:
