@@ -61,7 +61,10 @@ class VllmServer:
     log: Path
 
     @classmethod
-    def start(cls, model: Path, work_dir: Path, tier_target: str, *, model_name: str) -> VllmServer:
+    def start(
+        cls, model: Path, work_dir: Path, tier_target: str, *, model_name: str, encoder_cache: bool = False
+    ) -> VllmServer:
+        """``encoder_cache``: also the encoder-cache connector (a multimodal ``model``)."""
         work_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         transfer = {
@@ -78,6 +81,14 @@ class VllmServer:
             "--no-enable-prefix-caching",  # repeats come from the tier, not vLLM's own cache
             "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
+        if encoder_cache:
+            ec_transfer = {
+                "ec_connector": "KvtierECConnector",
+                "ec_connector_module_path": "kvtier.connector.ec",
+                "ec_role": "ec_both",
+                "ec_connector_extra_config": {"target": tier_target, **RELAXED},
+            }
+            args += ["--ec-transfer-config", json.dumps(ec_transfer)]
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -24,7 +24,7 @@ from tests.observability.queries import (
     selectors,
 )
 from tests.tierproc import TierProcess
-from tests.tinymodels import build_text_model, prompt_text
+from tests.tinymodels import build_vl_model, prompt_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,8 +34,11 @@ MODEL_NAME = "tiny-qwen2"
 @pytest.fixture(scope="module")
 def engine(module_tier: TierProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     work = tmp_path_factory.mktemp("vllm")
-    model = build_text_model(work / "model")
-    server = VllmServer.start(model, work / "server", module_tier.target, model_name=MODEL_NAME)
+    # A multimodal model, so the encoder-cache connector's series are scraped too.
+    model = build_vl_model(work / "model")
+    server = VllmServer.start(
+        model, work / "server", module_tier.target, model_name=MODEL_NAME, encoder_cache=True
+    )
     try:
         text = prompt_text(600, seed=11)
         server.complete(text)  # computed and saved
