@@ -16,6 +16,7 @@ from typing import Any
 from tests.tinymodels import (
     build_gemma3_model,
     build_llava_model,
+    build_mistral3_model,
     build_qwen2_audio_model,
     build_qwen2_vl_model,
     build_vl_model,
@@ -95,6 +96,15 @@ ARCHITECTURES = [
         item_marker="<|audio_bos|><|AUDIO|><|audio_eos|>",
         item_tokens=52,  # 2 s at 16 kHz: 50 <|AUDIO|> tokens between bos and eos
         turn=QWEN_TURN,
+    ),
+    Architecture(
+        page="mistral3",
+        vllm_class="Mistral3ForConditionalGeneration",
+        build=build_mistral3_model,
+        modality="image",
+        item_marker="[IMG]",
+        item_tokens=20,  # 4 rows of 4 [IMG], each closed by [IMG_BREAK] / [IMG_END]
+        turn=("<s>[INST]", "[/INST]"),
     ),
 ]
 

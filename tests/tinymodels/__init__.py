@@ -11,13 +11,15 @@ One builder per further recipe architecture, each the exact class vLLM serves:
 ``build_llava_model`` (``LlavaForConditionalGeneration``, CLIP + Llama),
 ``build_gemma3_model`` (``Gemma3ForConditionalGeneration``, SigLIP + a sliding-window
 and a full-attention layer) and ``build_qwen2_audio_model``
-(``Qwen2AudioForConditionalGeneration``, 16 kHz audio). All take ``(out, seed=0)`` and
+(``Qwen2AudioForConditionalGeneration``, 16 kHz audio), ``build_mistral3_model``
+(``Mistral3ForConditionalGeneration``, Pixtral ViT + Mistral). All take ``(out, seed=0)`` and
 return ``out``.
 """
 
 from .build import (
     build_gemma3_model,
     build_llava_model,
+    build_mistral3_model,
     build_qwen2_audio_model,
     build_qwen2_vl_model,
     build_text_model,
@@ -28,6 +30,7 @@ from .build import (
 __all__ = [
     "build_gemma3_model",
     "build_llava_model",
+    "build_mistral3_model",
     "build_qwen2_audio_model",
     "build_qwen2_vl_model",
     "build_text_model",

@@ -297,7 +297,7 @@ def build_qwen2_vl_model(out: Path, seed: int = 0) -> Path:
 
 
 def _llama_text_config(ids: dict[str, int], eos: str, pad: str) -> dict[str, object]:
-    text = _text_config_kwargs(ids)
+    text = _text_config_kwargs({**ids, "<|endoftext|>": ids[pad], "<|im_end|>": ids[eos]})
     text.update(
         model_type="llama",
         bos_token_id=ids[pad],
@@ -448,7 +448,7 @@ def build_gemma3_model(out: Path, seed: int = 0) -> Path:
         eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
         initializer_range=0.03,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
     )
     config.dtype = torch.bfloat16
     model = Gemma3ForConditionalGeneration(config).to(torch.bfloat16)
@@ -539,6 +539,88 @@ def build_qwen2_audio_model(out: Path, seed: int = 0) -> Path:
             "padding_side": "right",
             "padding_value": 0.0,
             "return_attention_mask": True,
+        },
+    )
+    (out / ".complete").touch()
+    return out
+
+
+MISTRAL3_TOKENS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+]
+
+
+def build_mistral3_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Mistral3ForConditionalGeneration: 2-layer Pixtral ViT + 2-layer Mistral decoder.
+
+    A 224x224 image is resized to 112x112: 8x8 patches of 14 px, merged 2x2 into 4 rows
+    of 4 ``[IMG]`` tokens, each row closed by ``[IMG_BREAK]`` (the last by ``[IMG_END]``):
+    20 placeholder tokens.
+    """
+    if _done(out):
+        return out
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(out, MISTRAL3_TOKENS, eos="</s>", pad="<unk>", chat_template=None)
+    torch.manual_seed(seed)
+    text = _llama_text_config(ids, "</s>", "<unk>")
+    text.update(model_type="mistral", head_dim=64, sliding_window=None, bos_token_id=ids["<s>"])
+    config = Mistral3Config(
+        text_config=text,
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "head_dim": 32,
+            "image_size": 112,
+            "patch_size": 14,
+            "initializer_range": 0.25,
+        },
+        image_token_index=ids["[IMG]"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    config.dtype = torch.bfloat16
+    _save(Mistral3ForConditionalGeneration(config).to(torch.bfloat16), out)
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "PixtralImageProcessorPil",
+            "processor_class": "PixtralProcessor",
+            "do_resize": True,
+            "size": {"longest_edge": 112},
+            "patch_size": 14,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "do_convert_rgb": True,
+        },
+    )
+    _write_json(
+        out,
+        "processor_config.json",
+        {
+            "processor_class": "PixtralProcessor",
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]",
+            "image_end_token": "[IMG_END]",
         },
     )
     (out / ".complete").touch()
