@@ -15,6 +15,7 @@ from typing import Any
 
 from tests.tinymodels import (
     build_gemma3_model,
+    build_idefics3_model,
     build_llava_model,
     build_mistral3_model,
     build_qwen2_audio_model,
@@ -105,6 +106,15 @@ ARCHITECTURES = [
         item_marker="[IMG]",
         item_tokens=20,  # 4 rows of 4 [IMG], each closed by [IMG_BREAK] / [IMG_END]
         turn=("<s>[INST]", "[/INST]"),
+    ),
+    Architecture(
+        page="idefics3",
+        vllm_class="Idefics3ForConditionalGeneration",
+        build=build_idefics3_model,
+        modality="image",
+        item_marker="<image>",
+        item_tokens=19,  # <fake_token_around_image><global-img>, 16 <image>, <fake_token...>
+        turn=("<|im_start|>User:", "<end_of_utterance>\nAssistant:"),
     ),
 ]
 

@@ -12,12 +12,14 @@ One builder per further recipe architecture, each the exact class vLLM serves:
 ``build_gemma3_model`` (``Gemma3ForConditionalGeneration``, SigLIP + a sliding-window
 and a full-attention layer) and ``build_qwen2_audio_model``
 (``Qwen2AudioForConditionalGeneration``, 16 kHz audio), ``build_mistral3_model``
-(``Mistral3ForConditionalGeneration``, Pixtral ViT + Mistral). All take ``(out, seed=0)`` and
+(``Mistral3ForConditionalGeneration``, Pixtral ViT + Mistral), ``build_idefics3_model``
+(``Idefics3ForConditionalGeneration``, SmolVLM's class). All take ``(out, seed=0)`` and
 return ``out``.
 """
 
 from .build import (
     build_gemma3_model,
+    build_idefics3_model,
     build_llava_model,
     build_mistral3_model,
     build_qwen2_audio_model,
@@ -29,6 +31,7 @@ from .build import (
 
 __all__ = [
     "build_gemma3_model",
+    "build_idefics3_model",
     "build_llava_model",
     "build_mistral3_model",
     "build_qwen2_audio_model",

@@ -625,3 +625,75 @@ def build_mistral3_model(out: Path, seed: int = 0) -> Path:
     )
     (out / ".complete").touch()
     return out
+
+
+IDEFICS3_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<end_of_utterance>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+]
+
+
+def build_idefics3_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Idefics3ForConditionalGeneration (SmolVLM's class): 2-layer SigLIP-style ViT
+    (112 px, patch 14) + 2-layer Llama, pixel shuffle 2, no image splitting.
+
+    An image becomes ``<fake_token_around_image><global-img>``, 16 ``<image>`` tokens and
+    ``<fake_token_around_image>``: 19 placeholder tokens.
+    """
+    if _done(out):
+        return out
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(
+        out, IDEFICS3_TOKENS, eos="<end_of_utterance>", pad="<|endoftext|>", chat_template=None
+    )
+    torch.manual_seed(seed)
+    config = Idefics3Config(
+        text_config=_llama_text_config(ids, "<end_of_utterance>", "<|endoftext|>"),
+        vision_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 112,
+            "patch_size": 14,
+            "initializer_range": 0.25,
+        },
+        scale_factor=2,
+        image_token_id=ids["<image>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+    config.dtype = torch.bfloat16
+    _save(Idefics3ForConditionalGeneration(config).to(torch.bfloat16), out)
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "Idefics3ImageProcessorPil",
+            "processor_class": "Idefics3Processor",
+            "do_resize": True,
+            "size": {"longest_edge": 112},
+            "max_image_size": {"longest_edge": 112},
+            "do_image_splitting": False,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_pad": True,
+            "do_convert_rgb": True,
+        },
+    )
+    _write_json(
+        out, "processor_config.json", {"processor_class": "Idefics3Processor", "image_seq_len": 16}
+    )
+    (out / ".complete").touch()
+    return out
