@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.operator.conftest import ControlPlane
+from tests.kube import ControlPlane, kube_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvtier"
@@ -80,9 +80,8 @@ def helm() -> Helm:
 @pytest.fixture(scope="session")
 def bare_control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     plane = ControlPlane(tmp_path_factory.mktemp("kube-bare"))
-    kube_env = str(ROOT / "scripts" / "kube-env")
     try:
-        subprocess.run([kube_env, "start", str(plane.dir)], check=True, stdout=subprocess.DEVNULL)
+        kube_env("start", plane.dir)
         yield plane
     finally:
-        subprocess.run([kube_env, "stop", str(plane.dir)], check=True)
+        kube_env("stop", plane.dir)

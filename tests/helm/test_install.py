@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.helm.conftest import CHART, Helm
-from tests.operator.conftest import ControlPlane
+from tests.kube import ControlPlane
 
 pytestmark = pytest.mark.slow
 

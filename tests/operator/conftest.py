@@ -23,29 +23,15 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import kopf
 import pytest
 import yaml
 
 from kvtier.operator.kube import KubeClient, kind_of
+from tests.kube import ControlPlane, client_for, kube_env
 
 ROOT = Path(__file__).resolve().parents[2]
-KUBE_ENV = ROOT / "scripts" / "kube-env"
 CRD = kind_of("apiextensions.k8s.io/v1", "CustomResourceDefinition")
 NAMESPACE = kind_of("v1", "Namespace")
-
-
-@dataclass(frozen=True)
-class ControlPlane:
-    dir: Path
-
-    @property
-    def admin_kubeconfig(self) -> Path:
-        return self.dir / "admin.kubeconfig"
-
-    @property
-    def operator_kubeconfig(self) -> Path:
-        return self.dir / "operator.kubeconfig"
 
 
 @dataclass(frozen=True)
@@ -55,21 +41,6 @@ class OperatorProcess:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def client_for(kubeconfig: Path) -> KubeClient:
-    """A client with a kubeconfig's credentials (what kopf would use)."""
-    previous = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(kubeconfig)
-    try:
-        info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
-    finally:
-        if previous is None:
-            del os.environ["KUBECONFIG"]
-        else:
-            os.environ["KUBECONFIG"] = previous
-    assert info is not None
-    return KubeClient.from_connection_info(info)
 
 
 async def _install(plane: ControlPlane) -> None:
@@ -98,21 +69,17 @@ async def _install(plane: ControlPlane) -> None:
         await client.close()
 
 
-def _kube_env(*args: str | Path) -> None:
-    subprocess.run([str(KUBE_ENV), *map(str, args)], check=True, stdout=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     plane = ControlPlane(tmp_path_factory.mktemp("kube"))
     try:
-        _kube_env("start", plane.dir)
+        kube_env("start", plane.dir)
         asyncio.run(_install(plane))
         # After the CRDs: the garbage collector discovers new kinds only every 30 s.
-        _kube_env("start-controllers", plane.dir)
+        kube_env("start-controllers", plane.dir)
         yield plane
     finally:
-        _kube_env("stop", plane.dir)
+        kube_env("stop", plane.dir)
 
 
 @pytest.fixture(scope="session")
