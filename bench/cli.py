@@ -2,6 +2,7 @@
 
     python -m bench tier [--tiny] [...]     the tier data path (bench/tier.py)
     python -m bench keys [...]              cache keys against vLLM's (bench/keys.py)
+    python -m bench ec [--tiny] [...]       the encoder-output cache (bench/ec.py)
 
 Each harness prints a Markdown table; docs/benchmarks.md has the results and the
 exact commands that made them.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 HARNESSES = {
     "tier": "the tier data path: GET/PUT through kvtier, raw TCP, redis-py, LMCache",
     "keys": "cache keys: kvtier's chunk keys against vLLM's block hashes",
+    "ec": "the encoder-output cache: TTFT and encoder time on an image-heavy workload",
 }
 
 
@@ -34,6 +36,10 @@ def main(argv: Sequence[str]) -> int:
         from bench import tier
 
         return tier.main(rest)
+    if name == "ec":
+        from bench import ec
+
+        return ec.main(rest)
     from bench import keys
 
     # bench.keys reads sys.argv itself.

@@ -138,8 +138,11 @@ class KvtierECConnector(ECConnectorBase):
             config.breaker_cooldown_s,
             on_open=lambda: self._recorder.count("breaker_opened"),
         )
+        # A token file (a mounted Secret) is read again when the tier says UNAUTHENTICATED.
+        token_file = getattr(config, "auth_token_file", None)
+        rotation: dict[str, Any] = {"token_file": token_file} if token_file else {}
         self._client = TierClient(
-            config.target, timeout_s=config.load_timeout_s, token=config.token
+            config.target, timeout_s=config.load_timeout_s, token=config.token, **rotation
         )
         self._worker_stats: list[dict[str, Any]] = []
         self._scheduler: KvtierECScheduler | None = None

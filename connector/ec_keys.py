@@ -1,4 +1,4 @@
-"""Cache keys of encoder outputs (one key per multimodal item; scheme in docs/keys.md).
+"""Cache keys of encoder outputs (one key per multimodal item; docs/encoder-cache.md).
 
 An encoder output (the embeddings a vision or audio encoder computes for one image,
 clip or video) is stored under one hash over::

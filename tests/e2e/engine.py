@@ -137,6 +137,10 @@ class EngineProcess:
         """Forward calls of the model's multimodal encoder (vision or audio tower) so far."""
         return int(self.call({"cmd": "encoder_calls"}))
 
+    def encoder_seconds(self) -> float:
+        """Seconds spent in the model's multimodal encoder so far (forward calls)."""
+        return float(self.call({"cmd": "encoder_seconds"}))
+
     def ec_flush(self) -> None:
         """Wait until the encoder-cache connector's background sender has sent its queue."""
         self.call({"cmd": "ec_flush"})
@@ -253,19 +257,25 @@ def _ec_stats() -> dict[str, float]:
 
 ENCODER_MODULES = ("visual", "vision_tower", "audio_tower")
 _ENCODER_CALLS = [0]
+_ENCODER_SECONDS = [0.0, 0.0]  # total, start of the running call
 
 
 def _count_encoder_calls() -> None:
-    """A forward hook on the model's encoder: proves whether an engine ran it."""
+    """Forward hooks on the model's encoder: prove whether an engine ran it, and time it."""
     runner = _LLM.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     model = runner.model_runner.get_model()
     for name in ENCODER_MODULES:
         module = getattr(model, name, None)
         if module is not None:
 
+            def before(*_: Any) -> None:
+                _ENCODER_SECONDS[1] = time.perf_counter()
+
             def hook(*_: Any) -> None:
                 _ENCODER_CALLS[0] += 1
+                _ENCODER_SECONDS[0] += time.perf_counter() - _ENCODER_SECONDS[1]
 
+            module.register_forward_pre_hook(before)
             module.register_forward_hook(hook)
             return
 
@@ -370,6 +380,8 @@ def _serve(spec: dict[str, Any]) -> None:
                 reply(result=_ec_stats())
             elif cmd == "encoder_calls":
                 reply(result=_ENCODER_CALLS[0])
+            elif cmd == "encoder_seconds":
+                reply(result=_ENCODER_SECONDS[0])
             elif cmd == "ec_flush":
                 from vllm.distributed.ec_transfer import get_ec_transfer
 
