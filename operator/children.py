@@ -37,11 +37,17 @@ from kvtier.operator.spec import (
 Obj = dict[str, Any]
 
 TIER_PORT = 50051
+DATA_PORT = 50052  # kvtier server --data-port: raw-bytes Get/Put, advertised in Stats
 METRICS_PORT = 9400
 ENGINE_PORT = 8000
 DISK_DIR = "/var/lib/kvtier"
-AUTH_DIR = "/etc/kvtier/auth"
+TENANTS_DIR = "/etc/kvtier/tenants"  # the tier's auth Secret, one file per tenant
+AUTH_DIR = "/etc/kvtier/auth"  # an engine's tenant token
 AUTH_FILE = f"{AUTH_DIR}/token"
+TMP_DIR = "/tmp"
+TIER_UID = 65532  # the kvtier image's user (docker/Dockerfile.kvtier)
+ENGINE_UID = 1000  # any non-root uid: vLLM writes only to HOME, /tmp and /dev/shm
+ENGINE_HOME = "/home/vllm"
 TIER_MEMORY_OVERHEAD = 512 * 2**20  # on top of the RAM tier: the process, buffers, gRPC
 DISK_USABLE_FRACTION = 0.9  # leave room for the filesystem on the volume
 SETTINGS_HASH_ANNOTATION = "kvtier.io/settings-hash"
@@ -108,19 +114,24 @@ def cache_tier_children(
             "prometheus.io/port": str(METRICS_PORT),
             "prometheus.io/path": "/metrics",
         }
-    ports = [{"name": "grpc", "containerPort": TIER_PORT, "protocol": "TCP"}]
+    ports = [
+        {"name": "grpc", "containerPort": TIER_PORT, "protocol": "TCP"},
+        {"name": "data", "containerPort": DATA_PORT, "protocol": "TCP"},
+    ]
     if spec.metrics:
         ports.append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
     env: list[Obj] = []
     if spec.redis is not None and spec.redis.password is not None:
         env.append(_secret_env("KVTIER_REDIS_PASSWORD", spec.redis.password))
-    mounts: list[Obj] = []
-    volumes: list[Obj] = []
+    # The root filesystem is read-only: the server writes only to its disk volume and /tmp.
+    mounts: list[Obj] = [{"name": "tmp", "mountPath": TMP_DIR}]
+    volumes: list[Obj] = [{"name": "tmp", "emptyDir": {}}]
     if spec.disk.enabled:
         mounts.append({"name": "data", "mountPath": DISK_DIR})
-    if spec.auth is not None:
-        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
-        volumes.append(_auth_volume(spec.auth))
+    if spec.auth_secret is not None:
+        # The whole Secret: one file per tenant, updated in place when the Secret changes.
+        mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+        volumes.append({"name": "tenants", "secret": {"secretName": spec.auth_secret}})
     container: Obj = {
         "name": "kvtier-server",
         "image": spec.image or default_image,
@@ -130,15 +141,18 @@ def cache_tier_children(
         "readinessProbe": _tier_probe(features, period=5, failures=3),
         "livenessProbe": _tier_probe(features, period=10, failures=6),
         "resources": _tier_resources(spec.resources, spec.ram_bytes),
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
+        "volumeMounts": mounts,
     }
     if env:
         container["env"] = env
-    if mounts:
-        container["volumeMounts"] = mounts
-    pod_spec: Obj = {"enableServiceLinks": False, "containers": [container]}
-    if volumes:
-        pod_spec["volumes"] = volumes
+    pod_spec: Obj = {
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security(TIER_UID),
+        "containers": [container],
+        "volumes": volumes,
+    }
     statefulset_spec: Obj = {
         "serviceName": f"{owner.name}-headless",
         "replicas": spec.replicas,
@@ -160,7 +174,8 @@ def cache_tier_children(
             {"metadata": {"name": "data", "labels": pod_labels}, "spec": pvc_spec}
         ]
     service_ports: list[Obj] = [
-        {"name": "grpc", "port": TIER_PORT, "targetPort": "grpc", "protocol": "TCP"}
+        {"name": "grpc", "port": TIER_PORT, "targetPort": "grpc", "protocol": "TCP"},
+        {"name": "data", "port": DATA_PORT, "targetPort": "data", "protocol": "TCP"},
     ]
     if spec.metrics:
         service_ports.append(
@@ -175,7 +190,7 @@ def cache_tier_children(
                 "clusterIP": "None",
                 "publishNotReadyAddresses": True,
                 "selector": selector(owner, "cache-tier"),
-                "ports": service_ports[:1],
+                "ports": service_ports[:2],
             },
         ),
         _object(
@@ -195,24 +210,35 @@ def tier_settings(tier: CacheTier) -> dict[str, str]:
     settings = {
         "KVTIER_HOST": "0.0.0.0",
         "KVTIER_PORT": str(TIER_PORT),
-        "KVTIER_METRICS_PORT": str(METRICS_PORT if spec.metrics else 0),
+        "KVTIER_DATA_PORT": str(DATA_PORT),
+        "KVTIER_METRICS_PORT": str(METRICS_PORT if spec.metrics else 0),  # 0: off
         "KVTIER_RAM_BYTES": str(spec.ram_bytes),
     }
     if spec.disk.enabled:
         settings["KVTIER_DISK_DIR"] = DISK_DIR
         settings["KVTIER_DISK_BYTES"] = str(int(spec.disk.size_bytes * DISK_USABLE_FRACTION))
+    else:
+        settings["KVTIER_DISK_BYTES"] = "0"  # 0: no disk tier (the server's default is on)
     if spec.redis is not None:
-        settings["KVTIER_REDIS_URL"] = spec.redis.url
-        settings["KVTIER_REDIS_CLUSTER"] = "true" if spec.redis.cluster else "false"
-    if spec.auth is not None:
-        settings["KVTIER_AUTH_TOKEN_FILE"] = AUTH_FILE
+        settings["KVTIER_REDIS_URL"] = redis_url(spec.redis.url, cluster=spec.redis.cluster)
+    if spec.auth_secret is not None:
+        settings["KVTIER_AUTH_TOKENS"] = TENANTS_DIR
     return settings
 
 
-def model_recipe_children(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -> list[Obj]:
+def redis_url(url: str, *, cluster: bool) -> str:
+    """The server's Redis URL: a cluster is selected by the scheme (``redis+cluster://``)."""
+    if not cluster:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}+cluster://{rest}"
+
+
+def model_recipe_children(recipe: ModelRecipe, tier_auth: str | None) -> list[Obj]:
     """The desired ConfigMap, Deployment and Service (and inline CacheTier) of a ModelRecipe.
 
-    ``tier_auth`` is the tier's auth Secret key, mounted into the engines too.
+    ``tier_auth`` names the tier's auth Secret: its key ``spec.cache.tenant`` is mounted
+    into the engines as their token.
     """
     owner = recipe.owner
     config = {KV_TRANSFER_KEY: json.dumps(kv_transfer_config(recipe, tier_auth), sort_keys=True)}
@@ -230,11 +256,31 @@ def model_recipe_children(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -
         env.append(_config_env("KVTIER_EC_TRANSFER_CONFIG", config_name, EC_TRANSFER_KEY))
         args += ["--ec-transfer-config", "$(KVTIER_EC_TRANSFER_CONFIG)"]
     args += recipe.engine.args
-    mounts: list[Obj] = [{"name": "shm", "mountPath": "/dev/shm"}]
-    volumes: list[Obj] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    # A read-only root filesystem: vLLM, Hugging Face, torch and Triton write their
+    # caches under HOME, temporary files under /tmp, shared tensors under /dev/shm.
+    env += [
+        {"name": "HOME", "value": ENGINE_HOME},
+        {"name": "USER", "value": "vllm"},  # getpass.getuser() without a passwd entry
+    ]
+    mounts: list[Obj] = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "home", "mountPath": ENGINE_HOME},
+        {"name": "tmp", "mountPath": TMP_DIR},
+    ]
+    volumes: list[Obj] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        {"name": "home", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
     if tier_auth is not None:
         mounts.append({"name": "kvtier-auth", "mountPath": AUTH_DIR, "readOnly": True})
-        volumes.append({**_auth_volume(tier_auth), "name": "kvtier-auth"})
+        volumes.append({
+            "name": "kvtier-auth",
+            "secret": {
+                "secretName": tier_auth,
+                "items": [{"key": recipe.cache.tenant, "path": "token"}],
+            },
+        })  # fmt: skip
     health = {"httpGet": {"path": "/health", "port": "http"}}
     container: Obj = {
         "name": "vllm",
@@ -248,6 +294,7 @@ def model_recipe_children(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -
         "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
         "resources": _engine_resources(recipe.engine.resources, recipe.engine.gpus),
+        "securityContext": container_security(),
         "volumeMounts": mounts,
     }
     pod_labels = labels(owner, "engine")
@@ -259,7 +306,13 @@ def model_recipe_children(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -
                 "labels": pod_labels,
                 "annotations": {SETTINGS_HASH_ANNOTATION: _digest(config)},
             },
-            "spec": {"enableServiceLinks": False, "containers": [container], "volumes": volumes},
+            "spec": {
+                "enableServiceLinks": False,
+                "automountServiceAccountToken": False,
+                "securityContext": pod_security(ENGINE_UID),
+                "containers": [container],
+                "volumes": volumes,
+            },
         },
     }
     children = [
@@ -290,7 +343,7 @@ def inline_cache_tier(recipe: ModelRecipe) -> Obj:
     )  # fmt: skip
 
 
-def kv_transfer_config(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -> Obj:
+def kv_transfer_config(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
     """vLLM's --kv-transfer-config for the kvtier connector."""
     return {
         "kv_connector": "KvtierConnector",
@@ -300,7 +353,7 @@ def kv_transfer_config(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -> O
     }
 
 
-def ec_transfer_config(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -> Obj:
+def ec_transfer_config(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
     """vLLM's --ec-transfer-config for the kvtier encoder-cache connector."""
     return {
         "ec_connector": "KvtierECConnector",
@@ -310,14 +363,17 @@ def ec_transfer_config(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -> O
     }
 
 
-def _connector_extra(recipe: ModelRecipe, tier_auth: SecretKeyRef | None) -> Obj:
+def _connector_extra(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
+    """The connector's settings (``kvtier.connector.config.ConnectorConfig``)."""
+    policy = recipe.cache.salt_policy
     extra: Obj = {
         "target": tier_endpoint(recipe.tier_name, recipe.owner.namespace),
         "chunk_size": recipe.cache.chunk_size,
         "codec": recipe.cache.codec,
-        "salt_policy": recipe.cache.salt_policy,
+        # namespace: the connector's request policy plus a fixed salt, the namespace.
+        "salt_policy": "request" if policy == "namespace" else policy,
     }
-    if recipe.cache.salt_policy == "namespace":
+    if policy == "namespace":
         extra["salt"] = recipe.owner.namespace
     if tier_auth is not None:
         extra["auth_token_file"] = AUTH_FILE
@@ -374,18 +430,26 @@ def _resources_dict(requests: Mapping[str, int | str], limits: Mapping[str, int 
     return out
 
 
-def _container_security() -> Obj:
+def pod_security(uid: int) -> Obj:
+    """A pod's part of the Pod Security "restricted" profile, as ``uid`` (fsGroup: the
+    volumes are writable by it)."""
     return {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
-def _auth_volume(ref: SecretKeyRef) -> Obj:
+def container_security() -> Obj:
+    """A container's part of the Pod Security "restricted" profile, root filesystem read-only."""
     return {
-        "name": "auth",
-        "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "token"}]},
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 

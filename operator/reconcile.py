@@ -31,7 +31,6 @@ from kvtier.operator.spec import (
     API_VERSION,
     INLINE_TIER_SUFFIX,
     Owner,
-    SecretKeyRef,
     TierSpec,
     parse_cache_tier,
     parse_model_recipe,
@@ -97,13 +96,17 @@ async def reconcile_model_recipe(ctx: Context, body: Mapping[str, Any]) -> Obj:
     else:
         cache_tier = None  # applied below, with the other children
     tier_auth = _tier_auth(recipe.inline_tier if cache_tier is None else cache_tier.get("spec"))
+    tenant_problem = (
+        None if tier_auth is None
+        else await _check_tenant(ctx.client, owner.namespace, tier_auth, recipe.cache.tenant)
+    )  # fmt: skip
     try:
         applied = await apply_children(ctx.client, owner, model_recipe_children(recipe, tier_auth))
     except ChildConflict as exc:
         return _status(body, cond.failed(RECIPE_CONDITIONS, "ChildConflict", str(exc)), **facts)
     cache_tier = applied.get(("CacheTier", recipe.tier_name), cache_tier)
     deployment = applied[("Deployment", owner.name)]
-    tier_ready = cond.tier_ready_for_recipe(recipe.tier_name, cache_tier)
+    tier_ready = tenant_problem or cond.tier_ready_for_recipe(recipe.tier_name, cache_tier)
     engine_ready = cond.engine_ready(deployment)
     desired, available, _ = cond.rollout(deployment, "availableReplicas")
     return _status(
@@ -169,6 +172,19 @@ def _controlled_by(obj: Mapping[str, Any], owner: Owner) -> bool:
 
 async def _check_secrets(client: KubeClient, namespace: str, spec: TierSpec) -> Condition | None:
     """A ``Ready`` failure for the first Secret key the tier needs and cannot find."""
+    if spec.auth_secret is not None:
+        secret = await client.get(SECRET, namespace, spec.auth_secret)
+        if secret is None:
+            return Condition(
+                "Ready", cond.FALSE, "SecretNotFound",
+                f"spec.authSecretRef: Secret {spec.auth_secret!r} does not exist in this namespace",
+            )  # fmt: skip
+        if not _secret_keys(secret):
+            return Condition(
+                "Ready", cond.FALSE, "SecretKeyNotFound",
+                f"spec.authSecretRef: Secret {spec.auth_secret!r} has no keys "
+                "(add one key per tenant, its token as the value)",
+            )  # fmt: skip
     for field, ref in spec.secret_refs():
         secret = await client.get(SECRET, namespace, ref.name)
         if secret is None:
@@ -176,9 +192,7 @@ async def _check_secrets(client: KubeClient, namespace: str, spec: TierSpec) -> 
                 "Ready", cond.FALSE, "SecretNotFound",
                 f"{field}: Secret {ref.name!r} does not exist in this namespace",
             )  # fmt: skip
-        if ref.key not in (secret.get("data") or {}) and ref.key not in (
-            secret.get("stringData") or {}
-        ):
+        if ref.key not in _secret_keys(secret):
             return Condition(
                 "Ready", cond.FALSE, "SecretKeyNotFound",
                 f"{field}: Secret {ref.name!r} has no key {ref.key!r}",
@@ -186,11 +200,31 @@ async def _check_secrets(client: KubeClient, namespace: str, spec: TierSpec) -> 
     return None
 
 
-def _tier_auth(tier_spec: Mapping[str, Any] | None) -> SecretKeyRef | None:
+async def _check_tenant(
+    client: KubeClient, namespace: str, secret_name: str, tenant: str
+) -> Condition | None:
+    """A ``TierReady`` failure when the tier's auth Secret has no token for the recipe's
+    tenant (the engine pods could not start: their token volume names that key)."""
+    secret = await client.get(SECRET, namespace, secret_name)
+    if secret is not None and tenant in _secret_keys(secret):
+        return None
+    what = "does not exist" if secret is None else f"has no key {tenant!r}"
+    return Condition(
+        "TierReady", cond.FALSE, "SecretNotFound" if secret is None else "SecretKeyNotFound",
+        f"spec.cache.tenant: the tier's auth Secret {secret_name!r} {what}; add the tenant's "
+        "token under that key, or set spec.cache.tenant to a tenant the Secret has",
+    )  # fmt: skip
+
+
+def _secret_keys(secret: Mapping[str, Any]) -> set[str]:
+    return set(secret.get("data") or {}) | set(secret.get("stringData") or {})
+
+
+def _tier_auth(tier_spec: Mapping[str, Any] | None) -> str | None:
     if tier_spec is None:
         return None
     try:
-        return parse_tier_spec(tier_spec, "spec").auth
+        return parse_tier_spec(tier_spec, "spec").auth_secret
     except SpecError:
         return None  # the CacheTier reports its own invalid spec
 

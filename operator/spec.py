@@ -8,6 +8,7 @@ combinations of fields. A ``SpecError`` names the field and what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 ENGINE_KINDS = ("vllm",)
 MODALITIES = ("text", "image", "audio", "video")
-CODECS = ("none", "zstd")
-SALT_POLICIES = ("request", "namespace", "none")
+CODECS = ("raw", "zstd")  # the connector's codecs (kv_connector_extra_config.codec)
+# request/none/required are the connector's salt policies; namespace is request plus a fixed
+# salt (the recipe's namespace).
+SALT_POLICIES = ("request", "namespace", "none", "required")
 GPU_RESOURCE = "nvidia.com/gpu"
 MAX_NAME_LENGTH = 40
 INLINE_TIER_SUFFIX = "-tier"
@@ -32,6 +35,8 @@ DEFAULT_RAM = "2Gi"
 DEFAULT_DISK_SIZE = "20Gi"
 DEFAULT_REVISION = "main"
 DEFAULT_CHUNK_SIZE = 256
+DEFAULT_TENANT = "default"
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")  # kvtier server's tenant names
 
 Body = Mapping[str, Any]
 
@@ -85,17 +90,16 @@ class TierSpec:
     ram_bytes: int
     disk: Disk
     redis: Redis | None
-    auth: SecretKeyRef | None
+    auth_secret: str | None  # a Secret with one key per tenant, its token as the value
     metrics: bool
     resources: Resources | None
 
     def secret_refs(self) -> list[tuple[str, SecretKeyRef]]:
-        """Every Secret key the tier needs, with the field that names it."""
+        """The Secret keys the tier needs, with the field that names them (the auth Secret's
+        keys are its tenants: any number of them)."""
         refs: list[tuple[str, SecretKeyRef]] = []
         if self.redis is not None and self.redis.password is not None:
             refs.append(("spec.redis.passwordSecretRef", self.redis.password))
-        if self.auth is not None:
-            refs.append(("spec.authSecretRef", self.auth))
         return refs
 
 
@@ -129,6 +133,7 @@ class Cache:
     codec: str
     salt_policy: str
     encoder_cache: bool
+    tenant: str  # the key of the tier's auth Secret the engines authenticate with
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,7 @@ def parse_tier_spec(spec: Body, path: str) -> TierSpec:
         ram_bytes=ram_bytes,
         disk=disk,
         redis=redis,
-        auth=_secret_ref(spec, "authSecretRef", path, "token"),
+        auth_secret=_auth_secret(spec, f"{path}.authSecretRef"),
         metrics=_bool(metrics, "enabled", f"{path}.metrics.enabled", default=True),
         resources=_resources(spec, f"{path}.resources"),
     )
@@ -270,7 +275,25 @@ def _parse_cache(spec: Body) -> Cache:
         codec=_choice(spec, "codec", "spec.cache.codec", CODECS),
         salt_policy=_choice(spec, "saltPolicy", "spec.cache.saltPolicy", SALT_POLICIES),
         encoder_cache=_bool(spec, "encoderCache", "spec.cache.encoderCache", default=False),
+        tenant=_tenant(spec),
     )
+
+
+def _tenant(spec: Body) -> str:
+    tenant = _str(spec, "tenant", "spec.cache.tenant", default=DEFAULT_TENANT)
+    if not TENANT_RE.match(tenant):
+        raise SpecError(
+            "spec.cache.tenant",
+            f"{tenant!r} is not a tenant name: 1-253 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+        )
+    return tenant
+
+
+def _auth_secret(parent: Body, path: str) -> str | None:
+    if "authSecretRef" not in parent:
+        return None
+    return _str(_object(parent, "authSecretRef", path), "name", f"{path}.name")
 
 
 def _owner(body: Body) -> Owner:

@@ -11,14 +11,14 @@ from kvtier.operator.children import (
     cache_tier_children,
     model_recipe_children,
 )
-from kvtier.operator.spec import SecretKeyRef, parse_cache_tier, parse_model_recipe
+from kvtier.operator.spec import parse_cache_tier, parse_model_recipe
 from tests.operator import crdschema
 from tests.operator.bodies import cache_tier, model_recipe
 
 # The oldest and newest Kubernetes schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
 DEFAULT_IMAGE = "ghcr.io/kvtier/kvtier:test"
-AUTH = SecretKeyRef("tier-auth", "token")
+AUTH = "tier-auth"  # the tier's auth Secret: one key per tenant
 GRPC_PROBES = ClusterFeatures(grpc_probes=True)
 
 TIERS = {
@@ -40,10 +40,13 @@ RECIPES = {
     "everything": {
         "engine": {"image": "vllm:1", "args": ["--max-model-len", "8192"], "replicas": 2, "gpus": 4,
                    "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
-        "cache": {"chunkSize": 512, "codec": "zstd", "saltPolicy": "namespace", "encoderCache": True},
+        "cache": {"chunkSize": 512, "codec": "zstd", "saltPolicy": "namespace", "encoderCache": True,
+                  "tenant": "team-a"},
         "tier": {"inline": TIERS["everything"]},
     },
     "cpu only": {"engine": {"image": "vllm:cpu", "gpus": 0}},
+    "salt required": {"cache": {"saltPolicy": "required", "codec": "raw", "encoderCache": True}},
+    "no salts": {"cache": {"saltPolicy": "none"}},
 }  # fmt: skip
 
 
@@ -51,7 +54,7 @@ def tier_children(features: ClusterFeatures = GRPC_PROBES, **spec: Any) -> list[
     return cache_tier_children(parse_cache_tier(cache_tier(**spec)), DEFAULT_IMAGE, features)
 
 
-def recipe_children(tier_auth: SecretKeyRef | None = None, **spec: Any) -> list[dict[str, Any]]:
+def recipe_children(tier_auth: str | None = None, **spec: Any) -> list[dict[str, Any]]:
     return model_recipe_children(parse_model_recipe(model_recipe(**spec)), tier_auth)
 
 
@@ -113,13 +116,13 @@ def test_tier_settings_are_the_server_flags_as_env_vars() -> None:
     assert settings == {
         "KVTIER_HOST": "0.0.0.0",
         "KVTIER_PORT": "50051",
+        "KVTIER_DATA_PORT": "50052",
         "KVTIER_METRICS_PORT": "0",
         "KVTIER_RAM_BYTES": str(8 * 2**30),
         "KVTIER_DISK_DIR": "/var/lib/kvtier",
         "KVTIER_DISK_BYTES": str(int(100 * 2**30 * 0.9)),
-        "KVTIER_REDIS_URL": "rediss://redis:6380/0",
-        "KVTIER_REDIS_CLUSTER": "true",
-        "KVTIER_AUTH_TOKEN_FILE": "/etc/kvtier/auth/token",
+        "KVTIER_REDIS_URL": "rediss+cluster://redis:6380/0",
+        "KVTIER_AUTH_TOKENS": "/etc/kvtier/tenants",
     }
 
 
@@ -148,7 +151,9 @@ def test_the_tier_disk_is_one_claim_per_replica_of_the_requested_size_and_class(
 def test_a_ram_only_tier_has_no_claim_and_no_disk_settings() -> None:
     children = tier_children(**TIERS["ram only"])
     assert "volumeClaimTemplates" not in by_kind(children, "StatefulSet")["spec"]
-    assert "KVTIER_DISK_DIR" not in by_kind(children, "ConfigMap")["data"]
+    settings = by_kind(children, "ConfigMap")["data"]
+    assert "KVTIER_DISK_DIR" not in settings
+    assert settings["KVTIER_DISK_BYTES"] == "0"  # the server's own default is a disk tier
 
 
 def test_tier_memory_is_the_ram_tier_plus_headroom_unless_resources_are_given() -> None:
@@ -180,9 +185,13 @@ def test_metrics_on_names_the_port_and_adds_scrape_annotations_and_off_removes_t
     on, off = tier_children(), tier_children(metrics={"enabled": False})
     assert [p["name"] for p in by_kind(on, "Service", "shared")["spec"]["ports"]] == [
         "grpc",
+        "data",
         "metrics",
     ]
-    assert [p["name"] for p in by_kind(off, "Service", "shared")["spec"]["ports"]] == ["grpc"]
+    assert [p["name"] for p in by_kind(off, "Service", "shared")["spec"]["ports"]] == [
+        "grpc",
+        "data",
+    ]
     annotations = by_kind(on, "StatefulSet")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9400"
     assert (
@@ -218,7 +227,7 @@ def test_the_kv_transfer_config_loads_the_kvtier_connector_pointed_at_the_tier_s
         "kv_connector_module_path": "kvtier.connector.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "target": "shared.ml.svc:50051", "chunk_size": 256, "codec": "none", "salt_policy": "request",
+            "target": "shared.ml.svc:50051", "chunk_size": 256, "codec": "raw", "salt_policy": "request",
         },
     }  # fmt: skip
 
@@ -233,7 +242,9 @@ def test_the_engine_gets_the_transfer_configs_from_the_configmap_through_env_var
         "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)",
         "--ec-transfer-config", "$(KVTIER_EC_TRANSFER_CONFIG)",
     ]  # fmt: skip
-    sources = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in container["env"]}
+    sources = {
+        e["name"]: e["valueFrom"]["configMapKeyRef"] for e in container["env"] if "valueFrom" in e
+    }
     assert sources == {
         "KVTIER_KV_TRANSFER_CONFIG": {"name": "qwen-kvtier", "key": "kv-transfer-config.json"},
         "KVTIER_EC_TRANSFER_CONFIG": {"name": "qwen-kvtier", "key": "ec-transfer-config.json"},
@@ -269,19 +280,39 @@ def test_gpus_become_an_nvidia_gpu_limit_and_zero_gpus_none() -> None:
 def test_the_namespace_salt_policy_salts_keys_with_the_namespace() -> None:
     config = by_kind(recipe_children(cache={"saltPolicy": "namespace"}), "ConfigMap")["data"]
     extra = json.loads(config["kv-transfer-config.json"])["kv_connector_extra_config"]
-    assert (extra["salt_policy"], extra["salt"]) == ("namespace", "ml")
+    # The connector knows request, none and required: namespace is request plus a fixed salt.
+    assert (extra["salt_policy"], extra["salt"]) == ("request", "ml")
 
 
-def test_a_tier_with_auth_mounts_its_token_into_the_engine_too() -> None:
-    children = recipe_children(AUTH)
+def test_a_tier_with_auth_mounts_the_recipes_tenant_token_into_the_engine() -> None:
+    children = recipe_children(AUTH, cache={"tenant": "team-a"})
     extra = json.loads(by_kind(children, "ConfigMap")["data"]["kv-transfer-config.json"])
     assert extra["kv_connector_extra_config"]["auth_token_file"] == "/etc/kvtier/auth/token"
     pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-auth")
     assert volume["secret"] == {
         "secretName": "tier-auth",
-        "items": [{"key": "token", "path": "token"}],
+        "items": [{"key": "team-a", "path": "token"}],
     }
+
+
+def test_a_tier_with_auth_mounts_its_whole_secret_as_the_tenant_directory() -> None:
+    statefulset = by_kind(tier_children(authSecretRef={"name": "tier-auth"}), "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    assert {"name": "tenants", "secret": {"secretName": "tier-auth"}} in pod["volumes"]
+    (container,) = pod["containers"]
+    assert {"name": "tenants", "mountPath": "/etc/kvtier/tenants", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+
+
+def test_a_tier_serves_the_data_port_on_the_client_and_headless_services() -> None:
+    children = tier_children()
+    (container,) = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "data", "containerPort": 50052, "protocol": "TCP"} in container["ports"]
+    for name in ("shared", "shared-headless"):
+        ports = by_kind(children, "Service", name)["spec"]["ports"]
+        assert {"name": "data", "port": 50052, "targetPort": "data", "protocol": "TCP"} in ports
 
 
 def test_a_new_kv_transfer_config_changes_the_engine_template_so_engines_roll() -> None:
@@ -292,3 +323,49 @@ def test_a_new_kv_transfer_config_changes_the_engine_template_so_engines_roll() 
         )
 
     assert template_hash(cache={"chunkSize": 256}) != template_hash(cache={"chunkSize": 512})
+
+
+def pod_templates() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for variant, child in builtin_children():
+        if child["kind"] in ("StatefulSet", "Deployment"):
+            out.append((variant, child["spec"]["template"]["spec"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("variant", "pod"), pod_templates(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_pod_template_meets_the_restricted_pod_security_profile(
+    variant: str, pod: dict[str, Any]
+) -> None:
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    for volume in pod.get("volumes", []):  # restricted allows only these volume types
+        assert set(volume) - {"name"} <= {
+            "emptyDir",
+            "secret",
+            "configMap",
+            "persistentVolumeClaim",
+        }
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert context["readOnlyRootFilesystem"] is True
+        assert "privileged" not in context and "runAsUser" not in context
+        assert all("hostPort" not in port for port in container["ports"])
+        # The root filesystem is read-only: /tmp is a volume of its own.
+        assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+
+
+def test_engines_write_their_caches_to_an_empty_dir_home() -> None:
+    pod = by_kind(recipe_children(), "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HOME"] == "/home/vllm" and env["USER"] == "vllm"
+    assert {"name": "home", "mountPath": "/home/vllm"} in container["volumeMounts"]
+    assert {"name": "home", "emptyDir": {}} in pod["volumes"]

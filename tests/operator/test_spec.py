@@ -51,7 +51,7 @@ def test_defaults_are_a_text_model_on_one_gpu_with_256_token_chunks() -> None:
     assert recipe.model.modalities == ("text",)
     assert (recipe.engine.kind, recipe.engine.replicas, recipe.engine.gpus) == ("vllm", 1, 1)
     assert (recipe.cache.chunk_size, recipe.cache.codec, recipe.cache.salt_policy) == (
-        256, "none", "request",
+        256, "raw", "request",
     )  # fmt: skip
     assert recipe.cache.encoder_cache is False
 
@@ -123,8 +123,14 @@ def test_secret_references_default_their_keys_and_name_their_fields() -> None:
     ))  # fmt: skip
     assert tier.spec.secret_refs() == [
         ("spec.redis.passwordSecretRef", SecretKeyRef("redis", "password")),
-        ("spec.authSecretRef", SecretKeyRef("auth", "token")),
     ]
+    assert tier.spec.auth_secret == "auth"  # the whole Secret: one key per tenant
+
+
+def test_a_tenant_that_the_tier_could_not_accept_is_rejected_naming_the_field() -> None:
+    body = model_recipe(cache={"tenant": "-team"})
+    with pytest.raises(SpecError, match=r"spec.cache.tenant: '-team' is not a tenant name"):
+        parse_model_recipe(body)
 
 
 def test_a_redis_url_without_a_redis_scheme_is_rejected() -> None:
