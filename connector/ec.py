@@ -56,7 +56,7 @@ from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.ec_config import key_spec, parse_config
 from kvtier.connector.ec_scheduler import ECStepPlan, KvtierECScheduler
 from kvtier.connector.ec_worker import KvtierECWorker
-from kvtier.connector.errors import TierError
+from kvtier.connector.errors import ConfigError, TierError
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,12 @@ class KvtierECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
         config = parse_config(transfer.ec_connector_extra_config)
+        if getattr(vllm_config.model_config, "is_encoder_decoder", False):
+            raise ConfigError(
+                "KvtierECConnector caches the encoder outputs of multimodal decoder models; "
+                f"{vllm_config.model_config.model} is an encoder-decoder model: remove "
+                "--ec-transfer-config (or set the recipe's cache.encoderCache to false)"
+            )
         self._recorder = ec_metrics.recorder()
         self._breaker = CircuitBreaker(
             config.breaker_failures,
@@ -162,6 +168,7 @@ class KvtierECConnector(ECConnectorBase):
                 device=_device(),
                 breaker=self._breaker,
                 recorder=self._recorder,
+                save=_tp_rank() == 0,  # every rank holds the same output: one saves it
             )
             what = "worker"
         logger.info(
@@ -276,6 +283,15 @@ class KvtierECConnector(ECConnectorBase):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KvtierECPromMetrics:
         return KvtierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except AssertionError:  # no tensor-parallel group: a single worker
+        return 0
 
 
 def _device() -> str:

@@ -33,8 +33,11 @@ class KvtierECWorker:
         device: str,
         breaker: CircuitBreaker,
         recorder: Recorder,
+        save: bool = True,
     ) -> None:
+        """``save``: whether this worker saves new outputs (tensor-parallel rank 0 only)."""
         self._device = device
+        self._save = save
         self._recorder = recorder
         self.sender = SaveSender(
             tier,
@@ -55,7 +58,7 @@ class KvtierECWorker:
     ) -> None:
         key = plan.saves.get(identifier)
         output = encoder_cache.get(identifier)
-        if key is None or output is None:
+        if key is None or output is None or not self._save:
             return
         if not self.sender.has_room():
             self._recorder.count("saves_dropped", label="queue_full")
