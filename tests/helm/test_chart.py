@@ -16,11 +16,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.helm.conftest import CHART, ROOT, SCENARIOS, Helm, scenario_flags
+from kvtier.operator.children import ClusterFeatures
+from tests.helm.conftest import CHART, ROOT, SCENARIOS, Helm, MonitoringModels, scenario_flags
 from tests.operator import crdschema
 
 KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
-CUSTOM_KINDS = {"CacheTier", "ModelRecipe", "ServiceMonitor", "PrometheusRule"}
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+CUSTOM_KINDS = {"CacheTier", "ModelRecipe", *MONITORING_KINDS}
 POD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "Pod"}
 scenarios = pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda p: p.name)
 
@@ -209,6 +211,13 @@ def test_external_redis_uses_its_url_and_existing_secret_and_installs_no_redis(h
     assert not [obj for obj in objects if "redis" in obj["metadata"]["name"]]
 
 
+def test_tier_auth_names_the_secret_of_tenant_tokens(helm: Helm) -> None:
+    (tier,) = of_kind(render(helm, CHART / "ci" / "external-redis-values.yaml"), "CacheTier")
+    assert tier["spec"]["authSecretRef"] == {"name": "kvtier-tenants"}
+    (tier,) = of_kind(helm.template(), "CacheTier")
+    assert "authSecretRef" not in tier["spec"]
+
+
 def test_without_crds_nothing_needs_them_and_the_operator_watches_the_named_namespaces(
     helm: Helm,
 ) -> None:
@@ -241,9 +250,60 @@ def test_monitoring_on_renders_a_service_monitor_for_every_tier_and_the_tier_dow
     assert "KvtierTierDown" in alerts
 
 
+def test_monitoring_on_renders_a_pod_monitor_for_the_engines_vllm_metrics(helm: Helm) -> None:
+    objects = render(helm, CHART / "ci" / "monitoring-values.yaml")
+    (monitor,) = of_kind(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "monitoring"
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "engine",
+    }  # fmt: skip
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["podMetricsEndpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "30s"}
+    ]
+
+
+def test_the_pod_monitor_selects_the_engine_pods_and_port_the_operator_creates(helm: Helm) -> None:
+    from kvtier.operator.children import model_recipe_children
+    from kvtier.operator.spec import parse_model_recipe
+    from tests.operator.bodies import model_recipe
+
+    (monitor,) = of_kind(render(helm, CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
+    children = model_recipe_children(parse_model_recipe(model_recipe()), None)
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    template = deployment["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (container,) = template["spec"]["containers"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in [port["name"] for port in container["ports"]]
+
+
+@scenarios
+def test_every_prometheus_operator_object_validates_against_its_published_schema(
+    helm: Helm, scenario: Path, monitoring_models: MonitoringModels, tmp_path: Path
+) -> None:
+    objects = [obj for obj in render(helm, scenario) if obj["kind"] in MONITORING_KINDS]
+    if objects:
+        monitoring_models.check(objects, tmp_path)
+
+
+def test_the_schema_check_rejects_an_unknown_field_and_a_wrong_type(
+    helm: Helm, monitoring_models: MonitoringModels, tmp_path: Path
+) -> None:
+    (monitor,) = of_kind(render(helm, CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
+    unknown = json.loads(json.dumps(monitor))
+    unknown["spec"]["podMetricsEndpoints"][0]["pathx"] = "/metrics"
+    with pytest.raises(AssertionError, match="pathx"):
+        monitoring_models.check([unknown], tmp_path / "unknown")
+    wrong = json.loads(json.dumps(monitor))
+    wrong["spec"]["podMetricsEndpoints"][0]["port"] = 8000
+    with pytest.raises(AssertionError, match="port"):
+        monitoring_models.check([wrong], tmp_path / "wrong")
+
+
 def test_by_default_nothing_needs_the_prometheus_operator_crds(helm: Helm) -> None:
     kinds = {obj["kind"] for obj in helm.template()}
-    assert not kinds & {"ServiceMonitor", "PrometheusRule"}
+    assert not kinds & MONITORING_KINDS
 
 
 def test_every_dashboard_file_becomes_a_configmap_for_the_grafana_sidecar(helm: Helm) -> None:
@@ -260,7 +320,7 @@ def test_every_dashboard_file_becomes_a_configmap_for_the_grafana_sidecar(helm: 
         assert json.loads(configmaps[path.name])["panels"]
 
 
-def test_the_tier_accepts_grpc_only_from_engines_and_the_helm_test_and_metrics_from_prometheus(
+def test_the_tier_accepts_grpc_and_data_only_from_engines_and_the_helm_test_and_metrics_from_prometheus(
     helm: Helm,
 ) -> None:
     policy = named(helm.template(), "NetworkPolicy", "kvtier-cache-tier")
@@ -268,12 +328,25 @@ def test_the_tier_accepts_grpc_only_from_engines_and_the_helm_test_and_metrics_f
         "app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "cache-tier",
     }  # fmt: skip
     grpc, metrics = policy["spec"]["ingress"]
-    assert grpc["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert grpc["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 50052, "protocol": "TCP"}]
     components = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc["from"]]
     assert components == ["engine", "helm-test"]
     assert metrics["ports"] == [{"port": 9400, "protocol": "TCP"}]
     (prometheus,) = metrics["from"]
     assert prometheus["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+
+
+def test_the_network_policy_opens_exactly_the_ports_the_operator_gives_a_tier(helm: Helm) -> None:
+    from kvtier.operator.children import cache_tier_children
+    from kvtier.operator.spec import parse_cache_tier
+    from tests.operator.bodies import cache_tier
+
+    policy = named(helm.template(), "NetworkPolicy", "kvtier-cache-tier")
+    opened = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+    children = cache_tier_children(parse_cache_tier(cache_tier()), "kvtier:test", ClusterFeatures())
+    (statefulset,) = [c for c in children if c["kind"] == "StatefulSet"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert opened == {port["containerPort"] for port in container["ports"]}
 
 
 def test_in_chart_redis_accepts_only_tier_pods(helm: Helm) -> None:

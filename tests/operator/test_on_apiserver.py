@@ -99,7 +99,7 @@ async def test_a_cache_tier_gets_its_statefulset_services_and_settings(
     headless = await kube.get(SERVICE, namespace, "shared-headless")
     client = await kube.get(SERVICE, namespace, "shared")
     assert headless is not None and headless["spec"]["clusterIP"] == "None"
-    assert client is not None and {p["port"] for p in client["spec"]["ports"]} == {50051, 9400}
+    assert client is not None and {p["port"] for p in client["spec"]["ports"]} == {50051, 50052, 9400}
     tier = await kube.get(CACHE_TIER, namespace, "shared")
     assert tier is not None
     for child in (statefulset, settings, headless, client):
@@ -281,12 +281,40 @@ async def test_a_tier_naming_a_missing_secret_says_so_until_the_secret_exists(
     await kube.create({
         "apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "tier-auth", "namespace": namespace},
-        "stringData": {"token": "s3cret"},
+        "stringData": {"default": "s3cret-token-of-the-default-tenant"},
     })  # fmt: skip
     await wait_for_condition(
         kube, namespace, "CacheTier", "shared", "Ready", reason="ReplicasNotReady"
     )
     assert await kube.get(SECRET, namespace, "tier-auth") is not None
+
+
+async def test_a_recipe_whose_tenant_has_no_token_in_the_tiers_secret_says_so_until_it_has(
+    kube: KubeClient, namespace: str
+) -> None:
+    secret = {
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "tier-auth", "namespace": namespace},
+        "stringData": {"team-a": "a-token-of-the-team-a-tenant"},
+    }  # fmt: skip
+    await kube.create(secret)
+    await kube.create(cache_tier(namespace, authSecretRef={"name": "tier-auth"}))
+    await kube.create(model_recipe(namespace, cache={"tenant": "team-b"}))
+    recipe = await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="SecretKeyNotFound"
+    )
+    message = condition(recipe, "TierReady")["message"]
+    assert "spec.cache.tenant" in message and "'team-b'" in message
+    deployment = await kube.get(DEPLOYMENT, namespace, "qwen")
+    assert deployment is not None
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    token = next(v for v in volumes if v["name"] == "kvtier-auth")
+    assert token["secret"]["items"] == [{"key": "team-b", "path": "token"}]
+    secret["stringData"]["team-b"] = "a-token-of-the-team-b-tenant"
+    await kube.apply(secret)
+    await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady"
+    )
 
 
 async def test_an_invalid_combination_is_reported_in_status_without_children(
