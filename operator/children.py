@@ -11,7 +11,12 @@ the kvtier connector), Service ``m``, and with an inline tier the CacheTier
 ``m-tier``.
 
 Every child has the parent as its controlling owner (deleting the parent
-garbage-collects it) and the labels of ``labels()``.
+garbage-collects it) and the labels of ``labels()``. Pods meet the Pod Security
+"restricted" profile with read-only root filesystems.
+
+Contracts (tests/operator/test_contracts.py runs them through the real parsers):
+the tier's ConfigMap holds ``kvtier server`` flags as ``KVTIER_<FLAG>`` env vars;
+the kv/ec-transfer configs' extra config is ``kvtier.connector.config.ConnectorConfig``.
 """
 
 from __future__ import annotations
