@@ -17,19 +17,31 @@ Errors: any transport failure or deadline raises ``TierUnavailable``; a call
 the server refuses (bad key, limit) raises ``TierRejected`` with the server's
 message. Nothing else escapes. Both paths raise the same errors for the same
 causes.
+
+Reconnects: gRPC's default reconnect backoff (1 s growing to 120 s) would keep a
+channel failing fast for minutes after a restarted tier is back on its address;
+the client reconnects after 100 ms to 1 s instead (``RECONNECT_OPTIONS``; the
+connector's circuit breaker already limits how often a dead tier is called).
+
+Token rotation: with ``token_file`` the token is read from that file, and read again
+when the tier answers UNAUTHENTICATED; a changed token is used from the next call on
+(the failed call is not retried).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 from typing_extensions import Buffer
 
+from kvtier.connector.config import read_token_file
 from kvtier.connector.dataport import DataConnectError, DataPool
 from kvtier.connector.errors import ConfigError, TierError, TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2, wire
@@ -51,6 +63,33 @@ DATA_PATHS = ("auto", "grpc", "data")
 # After the data port could not be used (or the tier advertised none), "auto"
 # stays on gRPC this long before it asks again.
 DATA_RETRY_S = 60.0
+RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+"""Channel options for a quick reconnect to a tier that restarted (see the module doc)."""
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reauth(
+    method: Callable[Concatenate[TierClient, P], R],
+) -> Callable[Concatenate[TierClient, P], R]:
+    """Reads ``token_file`` again when the call was refused as UNAUTHENTICATED."""
+
+    @functools.wraps(method)
+    def call(self: TierClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        except TierRejected as exc:
+            if exc.code == "UNAUTHENTICATED":
+                self._reload_token()
+            raise
+
+    return call
 
 
 class TierClient:
@@ -67,23 +106,32 @@ class TierClient:
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
         data_path: str = "auto",
+        token_file: str | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         """``token``: bearer token of the caller's tenant. TLS is on when ``tls`` is set or
         any ``tls_*`` file is given (``tls_ca_file``: the CA that signed the tier's
         certificate, else the system roots; ``tls_cert_file``/``tls_key_file``: a client
         certificate for mutual TLS). ``data_path``: "auto" (Get/Put over the tier's data
         port when it advertises one, else gRPC), "grpc" (never the data port) or "data"
-        (always the data port: a tier without one is ``TierUnavailable``)."""
+        (always the data port: a tier without one is ``TierUnavailable``). ``token_file``:
+        read the token from this file (unless ``token`` is given), and again whenever the
+        tier answers UNAUTHENTICATED. ``channel_options``: extra gRPC channel options,
+        applied after (so overriding) the client's own."""
         if data_path not in DATA_PATHS:
             raise ConfigError(f"data_path={data_path!r}: expected one of {', '.join(DATA_PATHS)}")
         self.target = target
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
         self.data_path = data_path
+        self._token_file = token_file
+        if token is None and token_file is not None:
+            token = read_token_file(token_file)
+        self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._data_host = _host(target)
         self._data: DataPool | None = None
-        self._data_lock = threading.Lock()
+        self._data_lock = threading.RLock()  # _data_pool -> stats -> _reload_token
         self._data_retry_at = 0.0
         self._data_warned = False
         self._ssl: ssl.SSLContext | None = None
@@ -91,7 +139,10 @@ class TierClient:
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", frame_bytes + (1 << 20)),
             ("grpc.enable_retries", 0),
+            *RECONNECT_OPTIONS,
         ]
+        overridden = {name for name, _ in channel_options}
+        options = [o for o in options if o[0] not in overridden] + list(channel_options)
         if tls or tls_ca_file or tls_cert_file or tls_key_file:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(tls_ca_file),
@@ -144,11 +195,32 @@ class TierClient:
             data.close()
         self._channel.close()
 
+    def _reload_token(self) -> None:
+        """Take a rotated token from ``token_file`` (a no-op without one, or unchanged)."""
+        if self._token_file is None:
+            return
+        try:
+            token = read_token_file(self._token_file)
+        except ConfigError as exc:
+            logger.warning("kvtier: the tier refused the token and %s", exc)
+            return
+        if token == self._token:
+            return
+        logger.info("kvtier: the tier token in %s changed; using the new one", self._token_file)
+        self._token = token
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        with self._data_lock:  # data-port connections authenticate once, at connect
+            data, self._data = self._data, None
+            self._data_retry_at = 0.0
+        if data is not None:
+            data.close()
+
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
     # -- calls ----------------------------------------------------------------------
 
+    @_reauth
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """How many leading keys the tier holds (one round trip)."""
         if not keys:
@@ -161,6 +233,7 @@ class TierClient:
             )
         return int(response.prefix_length)
 
+    @_reauth
     def get(
         self,
         keys: Sequence[bytes],
@@ -207,6 +280,7 @@ class TierClient:
                     buf = None
         return out
 
+    @_reauth
     def put(self, items: Iterable[tuple[bytes, Value]], *, timeout_s: float | None = None) -> int:
         """Stores values; returns how many the tier stored. A value may be given as
         several buffers (e.g. a codec header and the payload): they are sent as one."""
@@ -224,6 +298,7 @@ class TierClient:
             )
         return int(response.stored)
 
+    @_reauth
     def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         with _errors("Delete"):
             response = self._delete(
@@ -233,6 +308,7 @@ class TierClient:
             )
         return int(response.deleted)
 
+    @_reauth
     def stats(self, *, timeout_s: float | None = None) -> cache_pb2.StatsResponse:
         with _errors("Stats"):
             response: cache_pb2.StatsResponse = self._stats(
@@ -359,6 +435,6 @@ class _errors:
             message = f"{self.op}: {code.name}: {exc.details()}"
             if code in _UNAVAILABLE:
                 raise TierUnavailable(message) from exc
-            raise TierRejected(message) from exc
+            raise TierRejected(message, code.name) from exc
         if isinstance(exc, grpc.RpcError):
             raise TierUnavailable(f"{self.op}: {exc}") from exc

@@ -13,9 +13,12 @@ Header, format version 1, little-endian::
     ..      1+8d  shape: u8 ndim + ndim x u64
     ..      8     checksum: xxh3_64 of the header bytes before it, then the payload
 
-Neither direction copies the payload: ``encode_chunk`` returns the header and a
-view of the caller's buffer (send them as frames), ``decode_chunk`` returns a view
-into the blob. Every verification failure raises ``ChunkDecodeError``: a miss.
+With the ``raw`` codec neither direction copies the payload: ``encode_chunk`` returns
+the header and a view of the caller's buffer (send them as frames), ``decode_chunk``
+returns a view into the blob. With ``zstd`` the stored payload is the zstd frame of
+the raw bytes: the payload length and the checksum are the compressed bytes', the
+dtype and shape the decoded tensor's, and decoding checks the decompressed length
+against them. Every verification failure raises ``ChunkDecodeError``: a miss.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
@@ -40,6 +43,7 @@ __all__ = [
     "DTYPE_SIZES",
     "FORMAT_VERSION",
     "MAGIC",
+    "ZSTD_LEVEL",
     "DecodedChunk",
     "decode_chunk",
     "encode_chunk",
@@ -49,9 +53,14 @@ __all__ = [
 MAGIC: Final = b"KVTC"
 FORMAT_VERSION: Final = 1
 
-CODEC_IDS: Final[Mapping[str, int]] = MappingProxyType({"raw": 0})
-"""Codec name -> id in the header. Reserved for later, recorded per recipe: 1-15 lossless
-(1 zstd, 2 lz4), 16-31 lossy (16 fp8_e4m3, 17 int8). ``raw`` stores the bytes as given."""
+CODEC_IDS: Final[Mapping[str, int]] = MappingProxyType({"raw": 0, "zstd": 1})
+"""Codec name -> id in the header. ``raw`` stores the bytes as given; ``zstd`` stores them
+zstd-compressed (lossless; the ``zstandard`` package, ``kvtier[connector]``). Reserved for
+later: 2 lz4 (1-15 lossless), 16-31 lossy (16 fp8_e4m3, 17 int8)."""
+
+ZSTD_LEVEL: Final = 1
+"""zstd compression level of the ``zstd`` codec (docs/connector.md: higher levels cost
+far more time for little more ratio on KV bytes)."""
 
 DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType(
     {
@@ -103,12 +112,15 @@ def encode_chunk(
     view = memoryview(payload)
     if not view.c_contiguous:
         raise ValueError("payload must be a C-contiguous buffer")
-    data = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    data: Buffer = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
-    if codec == "raw" and data.nbytes != expected:
+    if memoryview(data).nbytes != expected:
         raise ValueError(
-            f"payload has {data.nbytes} bytes, but shape {shape} of {dtype} needs {expected}"
+            f"payload has {memoryview(data).nbytes} bytes, but shape {shape} of {dtype} "
+            f"needs {expected}"
         )
+    if codec == "zstd":
+        data = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
     name = dtype.encode("ascii")
     head = b"".join(
         (
@@ -118,7 +130,7 @@ def encode_chunk(
                 CODEC_IDS[codec],
                 _FIXED.size + 1 + len(name) + 1 + _DIM.size * len(shape) + _CHECKSUM.size,
                 key_fingerprint(key),
-                data.nbytes,
+                memoryview(data).nbytes,
             ),
             bytes((len(name),)),
             name,
@@ -148,30 +160,72 @@ def decode_chunk(key: bytes, blob: Buffer) -> DecodedChunk:
     view = memoryview(blob)
     data = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     if data.nbytes < _FIXED.size:
-        raise ChunkDecodeError(f"chunk truncated: {data.nbytes} bytes, header needs more")
+        raise ChunkDecodeError(
+            f"chunk truncated: {data.nbytes} bytes, header needs more", "truncated"
+        )
     magic, version, codec_id, header_size, fingerprint, payload_size = _FIXED.unpack_from(data)
     if magic != MAGIC:
-        raise ChunkDecodeError("not a kvtier chunk (bad magic)")
+        raise ChunkDecodeError("not a kvtier chunk (bad magic)", "format")
     if version != FORMAT_VERSION:
-        raise ChunkDecodeError(f"unknown chunk format version {version}")
+        raise ChunkDecodeError(f"unknown chunk format version {version}", "format")
     if codec_id not in _CODEC_NAMES:
-        raise ChunkDecodeError(f"unknown chunk codec id {codec_id}")
+        raise ChunkDecodeError(f"unknown chunk codec id {codec_id}", "codec")
     if fingerprint != key_fingerprint(key):
-        raise ChunkDecodeError("chunk belongs to another key (fingerprint mismatch)")
+        raise ChunkDecodeError(
+            "chunk belongs to another key (fingerprint mismatch)", "fingerprint"
+        )
     if header_size < _FIXED.size + 3 + _CHECKSUM.size or header_size + payload_size != data.nbytes:
         raise ChunkDecodeError(
             f"chunk length mismatch: {data.nbytes} bytes, header says "
-            f"{header_size} + {payload_size}"
+            f"{header_size} + {payload_size}",
+            "length",
         )
     body = header_size - _CHECKSUM.size
     checksum = xxhash.xxh3_64(data[:body])
     checksum.update(data[header_size:])
     if checksum.intdigest() != _CHECKSUM.unpack_from(data, body)[0]:
-        raise ChunkDecodeError("chunk checksum mismatch")
+        raise ChunkDecodeError("chunk checksum mismatch", "checksum")
     dtype, shape = _parse_layout(data[_FIXED.size : body])
-    if _CODEC_NAMES[codec_id] == "raw" and payload_size != math.prod(shape) * DTYPE_SIZES[dtype]:
-        raise ChunkDecodeError(f"raw payload of {payload_size} bytes does not fit {shape} {dtype}")
-    return DecodedChunk(dtype, shape, _CODEC_NAMES[codec_id], data[header_size:])
+    codec = _CODEC_NAMES[codec_id]
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    payload = data[header_size:]
+    if codec == "zstd":
+        payload = _unzstd(payload, expected)
+    if payload.nbytes != expected:
+        raise ChunkDecodeError(
+            f"{codec} payload of {payload.nbytes} bytes does not fit {shape} {dtype}", "layout"
+        )
+    return DecodedChunk(dtype, shape, codec, payload)
+
+
+def _zstd() -> Any:
+    """The ``zstandard`` module (imported on first use: only the zstd codec needs it)."""
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - a venv without the connector extra
+        raise ConfigError(
+            "codec 'zstd' needs the zstandard package: pip install 'kvtier[connector]'"
+        ) from exc
+    return zstandard
+
+
+def _unzstd(payload: memoryview, expected: int) -> memoryview:
+    """The decompressed payload; at most ``expected`` bytes are ever allocated."""
+    try:
+        zstandard = _zstd()
+        size = zstandard.frame_content_size(payload)
+        if size != expected:  # checked before allocating: a forged size costs nothing
+            raise ChunkDecodeError(
+                f"zstd frame holds {size} bytes, the chunk's shape needs {expected}", "layout"
+            )
+        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
+    except ChunkDecodeError:
+        raise
+    except ConfigError as exc:
+        raise ChunkDecodeError(f"cannot decode a zstd chunk here: {exc}", "codec") from exc
+    except Exception as exc:  # zstandard.ZstdError, or a frame without a content size
+        raise ChunkDecodeError(f"zstd payload does not decode: {exc}", "codec") from exc
+    return memoryview(raw)
 
 
 def _parse_layout(layout: memoryview) -> tuple[str, tuple[int, ...]]:
@@ -179,9 +233,9 @@ def _parse_layout(layout: memoryview) -> tuple[str, tuple[int, ...]]:
     size = layout[0]
     ndim_at = 1 + size
     if ndim_at >= len(layout) or len(layout) != ndim_at + 1 + _DIM.size * layout[ndim_at]:
-        raise ChunkDecodeError("chunk header layout fields are malformed")
+        raise ChunkDecodeError("chunk header layout fields are malformed", "layout")
     dtype = bytes(layout[1:ndim_at]).decode("ascii", "replace")
     if dtype not in DTYPE_SIZES:
-        raise ChunkDecodeError(f"unknown chunk dtype {dtype!r}")
+        raise ChunkDecodeError(f"unknown chunk dtype {dtype!r}", "layout")
     shape = tuple(dim for (dim,) in _DIM.iter_unpack(layout[ndim_at + 1 :]))
     return dtype, shape

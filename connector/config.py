@@ -10,16 +10,21 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
+from kvtier.connector.codec import CODEC_IDS
 from kvtier.connector.errors import ConfigError
 from kvtier.connector.keys import HASH_ALGOS
 
 SALT_POLICIES: Final = ("request", "none", "required")
 """``request``: a request's ``cache_salt`` (if any) goes into its keys; ``none``: salts are
 ignored, every request shares one cache; ``required``: requests without a salt are
-neither looked up nor saved (for tenants that must never share)."""
+neither looked up nor saved (for tenants that must never share). The fixed ``salt`` of
+the config goes into every key under every policy, and does not count as a request's
+salt for ``required``."""
+
+TOKEN_SOURCES: Final = ("token", "token_env", "auth_token_file")
 
 _PREFIX: Final = "kv_connector_extra_config"
 
@@ -30,7 +35,7 @@ class ConnectorConfig:
     """The tier's gRPC address, ``host:port``."""
     chunk_size: int = 256
     """Tokens per stored chunk; a multiple of the engine's KV block size."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """Bearer token for the tier (or name an environment variable with ``token_env``)."""
     model_id: str | None = None
     """Model identity pinned in keys; default: the engine's ``--model`` (name or path)."""
@@ -52,6 +57,15 @@ class ConnectorConfig:
     """One of ``SALT_POLICIES``."""
     hash_algo: str = "sha256"
     """Key hash, one of ``kvtier.connector.keys.HASH_ALGOS``."""
+    auth_token_file: str | None = None
+    """A file holding the bearer token (a mounted Kubernetes Secret): read at start, and
+    again when the tier answers UNAUTHENTICATED (a rotated Secret). ``token`` is what was
+    read at start."""
+    salt: str | None = None
+    """A fixed salt hashed into every key next to the request's ``cache_salt`` (e.g. the
+    namespace: engines with different salts never share entries)."""
+    codec: str = "raw"
+    """How chunk payloads are stored, one of ``kvtier.connector.codec.CODEC_IDS``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or ":" not in self.target:
@@ -80,16 +94,36 @@ class ConnectorConfig:
             raise ConfigError(
                 f"{_PREFIX}.hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
             )
-        for name in ("token", "model_id"):
+        if self.codec not in CODEC_IDS:
+            raise ConfigError(
+                f"{_PREFIX}.codec must be one of {', '.join(CODEC_IDS)}, got {self.codec!r}"
+            )
+        if self.codec == "zstd":
+            try:
+                import zstandard  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(
+                    f"{_PREFIX}.codec 'zstd' needs the zstandard package "
+                    "(pip install 'kvtier[connector]')"
+                ) from exc
+        for name in ("token", "model_id", "salt", "auth_token_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{_PREFIX}.{name} must be a non-empty string, got {value!r}")
+        if self.auth_token_file is not None and self.token is None:
+            object.__setattr__(self, "token", read_token_file(self.auth_token_file))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         """Parse ``kv_connector_extra_config`` (a JSON object)."""
         values = dict(extra or {})
         accepted = {f.name for f in fields(cls)} | {"token_env"}
+        given = [name for name in TOKEN_SOURCES if name in values]
+        if len(given) > 1:
+            raise ConfigError(
+                f"{_PREFIX}: give one of {', '.join(TOKEN_SOURCES)} for the tier token, "
+                f"not {' and '.join(given)}"
+            )
         unknown = sorted(set(values) - accepted)
         if unknown:
             raise ConfigError(
@@ -100,8 +134,6 @@ class ConnectorConfig:
             raise ConfigError(f"{_PREFIX}.target is required (the tier's 'host:port')")
         token_env = values.pop("token_env", None)
         if token_env is not None:
-            if "token" in values:
-                raise ConfigError(f"{_PREFIX}: give either token or token_env, not both")
             if not isinstance(token_env, str) or not os.environ.get(token_env):
                 raise ConfigError(
                     f"{_PREFIX}.token_env names an environment variable holding the tier "
@@ -119,3 +151,18 @@ class ConnectorConfig:
                 f"KV block size {block_size} (--block-size); use e.g. {lower} or "
                 f"{lower + block_size}"
             )
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token in ``path`` (whitespace stripped); ``ConfigError`` naming
+    ``auth_token_file`` when the file is missing, unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"{_PREFIX}.auth_token_file: cannot read the tier token from {path!r}: {exc}"
+        ) from exc
+    if not token:
+        raise ConfigError(f"{_PREFIX}.auth_token_file: {path!r} is empty (expected the tier token)")
+    return token

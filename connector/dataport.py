@@ -196,7 +196,7 @@ class DataPool:
                 message = f"{op}: {_name(exc.status)}: {exc}"
                 if exc.status in _UNAVAILABLE:
                     raise TierUnavailable(message) from exc
-                raise TierRejected(message) from exc
+                raise TierRejected(message, _name(exc.status)) from exc
             except TimeoutError as exc:
                 conn.close()
                 raise TierUnavailable(
@@ -247,7 +247,9 @@ class DataPool:
             conn.reply(Op.HELLO, deadline)
         except _Refused as exc:
             sock.close()
-            raise TierRejected(f"DataHello: {_name(exc.status)}: {exc}") from exc
+            raise TierRejected(
+                f"DataHello: {_name(exc.status)}: {exc}", _name(exc.status)
+            ) from exc
         except OSError as exc:  # TLS failures, resets, timeouts
             sock.close()
             raise DataConnectError(f"data port {self.host}:{self.port}: {exc}") from exc

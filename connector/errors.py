@@ -23,8 +23,34 @@ class ConfigError(ConnectorError, ValueError):
     """A configuration value is invalid; the message names the field and what it accepts."""
 
 
+CHUNK_ERROR_REASONS = (
+    "truncated",
+    "format",
+    "codec",
+    "fingerprint",
+    "length",
+    "checksum",
+    "layout",
+    "shape",
+)
+"""``ChunkDecodeError.reason`` values (a metric label, so a fixed set): ``truncated`` (shorter
+than a header), ``format`` (not a kvtier chunk, or an unknown format version), ``codec``
+(unknown codec id, or a payload the codec cannot decode), ``fingerprint`` (stored under
+another key), ``length`` (header and blob lengths disagree), ``checksum``, ``layout`` (bad
+dtype/shape fields, or a payload that does not fit them), ``shape`` (a valid chunk this
+engine cannot use: another dtype or KV shape)."""
+
+
 class ChunkDecodeError(ConnectorError):
-    """A stored chunk failed verification; the caller treats it as a miss."""
+    """A stored chunk failed verification; the caller treats it as a miss.
+
+    ``reason`` is one of ``CHUNK_ERROR_REASONS``.
+    """
+
+    def __init__(self, message: str, reason: str = "format") -> None:
+        assert reason in CHUNK_ERROR_REASONS, reason
+        super().__init__(message)
+        self.reason = reason
 
 
 class TierError(ConnectorError):
@@ -36,4 +62,11 @@ class TierUnavailable(TierError):
 
 
 class TierRejected(TierError):
-    """The tier answered the call with an error status other than unavailability."""
+    """The tier answered the call with an error status other than unavailability.
+
+    ``code``: the status name (``UNAUTHENTICATED``, ``INVALID_ARGUMENT``, ...) when known.
+    """
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code

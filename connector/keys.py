@@ -6,7 +6,7 @@ chunks get a key (the partial tail is neither looked up nor stored). Chunk
 
     pinned fields      kvtier tag, KEY_SCHEMA_VERSION, model id and revision, KV dtype,
                        KV layout, block and chunk size, TP and PP rank and world size,
-                       hash algorithm                             (per engine: KeySpec)
+                       hash algorithm, engine salt                (per engine: KeySpec)
     request fields     cache salt, LoRA adapter name and path      (per request)
     u8 len + parent    key of chunk i-1 (empty for chunk 0)
     u16 n + items      each multimodal item overlapping the chunk: its 32-byte digest and
@@ -54,7 +54,7 @@ __all__ = [
     "pack_token_ids",
 ]
 
-KEY_SCHEMA_VERSION: Final = 1
+KEY_SCHEMA_VERSION: Final = 2
 """Bump on any change to what is hashed or how; tests/connector/key_vectors.json pins it."""
 
 HASH_ALGOS: Final = ("sha256", "xxh3_128")
@@ -149,13 +149,16 @@ class KeySpec:
     pp_rank: int = 0
     """Pipeline-parallel stage: each stage holds the KV of different layers."""
     pp_world_size: int = 1
+    salt: str = ""
+    """A fixed salt of the engine (kv_connector_extra_config ``salt``, e.g. the namespace),
+    hashed into every key next to each request's own ``cache_salt``; ``""``: none."""
 
     def __post_init__(self) -> None:
         for name in ("model_id", "kv_dtype"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"KeySpec.{name} must be a non-empty str, got {value!r}")
-        for name in ("model_revision", "kv_layout"):
+        for name in ("model_revision", "kv_layout", "salt"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ConfigError(f"KeySpec.{name} must be a str, got {value!r}")
@@ -368,6 +371,7 @@ def _pinned_hasher(spec: KeySpec) -> _Hasher:
                 ("pp_rank", spec.pp_rank),
                 ("pp_world_size", spec.pp_world_size),
                 ("hash_algo", spec.hash_algo),
+                ("salt", spec.salt),
             )
         )
     )

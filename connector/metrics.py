@@ -15,12 +15,20 @@ Series (counters get ``_total``)::
     kvtier_connector_loaded_chunks_total / _loaded_bytes_total
     kvtier_connector_saved_chunks_total / _saved_bytes_total
     kvtier_connector_load_failed_blocks_total         blocks reported for recompute
-    kvtier_connector_corrupt_chunks_total             chunks failing verification
+    kvtier_connector_corrupt_chunks_total{reason}     chunks failing verification (errors.CHUNK_ERROR_REASONS)
+    kvtier_connector_requests_skipped_total{reason}   bad_input | no_salt
     kvtier_connector_errors_total{op}                 failed tier calls (lookup|load|save|delete)
     kvtier_connector_calls_skipped_total{op}          calls refused by the open breaker
     kvtier_connector_saves_dropped_total{reason}      queue_full | tier_down
     kvtier_connector_breaker_opened_total             closed -> open transitions
+    kvtier_connector_breaker_open                     gauge: 1 while a circuit breaker of the
+                                                      engine (scheduler or any worker) is not
+                                                      closed, else 0
     kvtier_connector_{lookup,load,save}_seconds       latency histograms
+
+Gauges are current values, not deltas: each half sets them every time vLLM collects
+its stats (every engine step), so the step's merged stats carry the value of every
+half, merged with ``max``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ import threading
 from typing import Any, Final
 
 Stats = dict[str, Any]
-"""``{"counters": {name[:label]: n}, "histograms": {name: [seconds]}}`` (serializable)."""
+"""``{"counters": {name[:label]: n}, "histograms": {name: [seconds]}, "gauges": {name: v}}``
+(serializable; ``gauges`` only when set)."""
 
 COUNTERS: Final[dict[str, tuple[str, str | None]]] = {
     # stat name: (documentation, label name or None)
@@ -41,7 +50,11 @@ COUNTERS: Final[dict[str, tuple[str, str | None]]] = {
     "saved_chunks": ("Chunks stored in the tier.", None),
     "saved_bytes": ("Bytes of chunks stored in the tier.", None),
     "load_failed_blocks": ("KV blocks whose load failed (recomputed by vLLM).", None),
-    "corrupt_chunks": ("Chunks that failed verification (treated as misses, deleted).", None),
+    "corrupt_chunks": (
+        "Chunks that failed verification (treated as misses, deleted), by reason.",
+        "reason",
+    ),
+    "requests_skipped": ("Requests neither looked up nor saved, by reason.", "reason"),
     "errors": ("Failed tier calls.", "op"),
     "calls_skipped": ("Tier calls refused by the open circuit breaker.", "op"),
     "saves_dropped": ("Chunk saves dropped instead of stalling the engine.", "reason"),
@@ -51,6 +64,9 @@ HISTOGRAMS: Final[dict[str, str]] = {
     "lookup_seconds": "Latency of one Lookup call.",
     "load_seconds": "Latency of loading one request's chunks (Get, verify, copy).",
     "save_seconds": "Latency of one background Put batch.",
+}
+GAUGES: Final[dict[str, str]] = {
+    "breaker_open": "1 while a circuit breaker of the connector refuses tier calls, else 0.",
 }
 BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PREFIX: Final = "kvtier_connector_"
@@ -67,9 +83,12 @@ class Recorder:
         self,
         counters: dict[str, tuple[str, str | None]] = COUNTERS,
         histograms: dict[str, str] = HISTOGRAMS,
+        gauges: dict[str, str] = GAUGES,
     ) -> None:
         self._known_counters = counters
         self._known_histograms = histograms
+        self._known_gauges = gauges
+        self._gauges: dict[str, float] = {}
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}
         self._histograms: dict[str, list[float]] = {}
@@ -87,6 +106,12 @@ class Recorder:
         with self._lock:
             self._histograms.setdefault(name, []).append(seconds)
 
+    def set(self, name: str, value: float) -> None:
+        """A gauge's current value; reported with every ``take()`` from now on."""
+        assert name in self._known_gauges, name
+        with self._lock:
+            self._gauges[name] = value
+
     def total(self, name: str, label: str | None = None) -> float:
         """Everything counted under ``name`` since start (for logs and tests)."""
         key = f"{name}:{label}" if label is not None else name
@@ -94,15 +119,19 @@ class Recorder:
             return self._totals.get(key, 0)
 
     def totals(self) -> dict[str, float]:
+        """Counters since start, and the gauges' current values."""
         with self._lock:
-            return dict(self._totals)
+            return {**self._totals, **self._gauges}
 
     def take(self) -> Stats | None:
-        """The interval's stats (then reset), or None when nothing happened."""
+        """The interval's stats (then reset), or None when nothing happened and no
+        gauge is set."""
         with self._lock:
-            if not self._counters and not self._histograms:
+            if not self._counters and not self._histograms and not self._gauges:
                 return None
-            data = {"counters": self._counters, "histograms": self._histograms}
+            data: Stats = {"counters": self._counters, "histograms": self._histograms}
+            if self._gauges:
+                data["gauges"] = dict(self._gauges)
             self._counters, self._histograms = {}, {}
         return data
 
@@ -119,11 +148,16 @@ def merge(into: Stats, other: Stats) -> None:
     histograms = into.setdefault("histograms", {})
     for key, values in other.get("histograms", {}).items():
         histograms.setdefault(key, []).extend(values)
+    if other.get("gauges"):
+        gauges = into.setdefault("gauges", {})
+        for key, value in other["gauges"].items():
+            gauges[key] = max(value, gauges.get(key, value))
 
 
 def summarize(data: Stats) -> dict[str, int | float]:
     """One line's worth for vLLM's periodic log: counters, and count/avg per histogram."""
     out: dict[str, int | float] = dict(data.get("counters", {}))
+    out.update(data.get("gauges", {}))
     for key, values in data.get("histograms", {}).items():
         out[f"{key}_count"] = len(values)
         out[f"{key}_avg"] = round(sum(values) / len(values), 6) if values else 0.0
@@ -132,7 +166,8 @@ def summarize(data: Stats) -> dict[str, int | float]:
 
 class PromSeries:
     """The Prometheus series, created with the metric classes vLLM hands over
-    (``counters``/``histograms``/``prefix``: as for ``Recorder``)."""
+    (``counters``/``histograms``/``gauges``/``prefix``: as for ``Recorder``; gauges
+    only with a ``gauge_cls``)."""
 
     def __init__(
         self,
@@ -143,7 +178,18 @@ class PromSeries:
         counters: dict[str, tuple[str, str | None]] = COUNTERS,
         histograms: dict[str, str] = HISTOGRAMS,
         prefix: str = PREFIX,
+        gauge_cls: Any = None,
+        gauges: dict[str, str] = GAUGES,
     ) -> None:
+        self._gauges = {
+            name: gauge_cls(
+                name=prefix + name,
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            for name, doc in (gauges.items() if gauge_cls is not None else ())
+        }
         self._counters = {
             name: counter_cls(
                 name=prefix + name,
@@ -168,6 +214,8 @@ class PromSeries:
                 counter.labels(*labelvalues)
         for histogram in self._histograms.values():
             histogram.labels(*labelvalues)
+        for gauge in self._gauges.values():
+            gauge.labels(*labelvalues)
 
     def observe(self, data: Stats, labelvalues: list[object]) -> None:
         for key, value in data.get("counters", {}).items():
@@ -181,3 +229,7 @@ class PromSeries:
                 series = histogram.labels(*labelvalues)
                 for value in values:
                     series.observe(value)
+        for name, value in data.get("gauges", {}).items():
+            gauge = self._gauges.get(name)
+            if gauge is not None:
+                gauge.labels(*labelvalues).set(value)

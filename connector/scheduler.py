@@ -8,7 +8,10 @@ which chunks to load into which blocks before the forward pass, and which chunks
 became complete and should be saved after it.
 
 Nothing here raises into vLLM: a tier error (or any bug) is a miss, logged and
-counted.
+counted. A request whose keys cannot be computed (malformed multimodal positions,
+overlapping items, token ids out of range: ``ValueError``) is neither looked up nor
+saved, and counted in ``requests_skipped{reason="bad_input"}``; an unsalted request
+under ``salt_policy=required`` in ``requests_skipped{reason="no_salt"}``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, Protocol
 from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import TierError
-from kvtier.connector.keys import KeyChain, KeySpec, MMItem
+from kvtier.connector.keys import KeyChain, KeySpec, MMItem, pack_token_ids
 from kvtier.connector.metadata import ChunkLoad, ChunkSave, RequestLoad, StepPlan
 from kvtier.connector.metrics import Recorder
 
@@ -120,8 +123,20 @@ class KvtierScheduler:
     def _matched(self, request: Any, num_computed_tokens: int) -> int:
         state = self._requests.get(request.request_id)
         if state is None:
-            keys = self._keys(request)
+            try:
+                keys = self._keys(request)
+            except ValueError as exc:
+                # Bad input for this request only: it computes, the others go on.
+                logger.warning(
+                    "kvtier: request %s cannot be keyed (%s); computing it without the tier",
+                    request.request_id,
+                    exc,
+                )
+                self._recorder.count("requests_skipped", label="bad_input")
+                keys = None
             if keys is None:
+                # Remembered, so a rescheduled request is not judged (or counted) twice.
+                self._requests[request.request_id] = _RequestState([], hit_chunks=0)
                 return 0
             state = self._requests[request.request_id] = _RequestState(keys)
         state.local_tokens = num_computed_tokens
@@ -144,11 +159,14 @@ class KvtierScheduler:
         return min(hit_chunks * self._chunk, last_block_start)
 
     def _keys(self, request: Any) -> list[tuple[bytes, ...]] | None:
+        """Per full prompt chunk, its key for each rank; None: the request is not cached.
+        Raises ``ValueError`` when the request's data cannot be keyed."""
         salt = getattr(request, "cache_salt", None) or None
         policy = self._config.salt_policy
         if policy == "none":
             salt = None
         elif policy == "required" and salt is None:
+            self._recorder.count("requests_skipped", label="no_salt")
             return None
         prompt = request.prompt_token_ids
         if not prompt or len(prompt) < self._chunk:
@@ -158,6 +176,7 @@ class KvtierScheduler:
             for f in (getattr(request, "mm_features", None) or ())
         ]
         lora = getattr(request, "lora_request", None)
+        prompt = pack_token_ids(prompt)  # once per request, not once per rank
         chains = [
             KeyChain(
                 spec,

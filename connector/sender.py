@@ -1,7 +1,8 @@
 """The background sender: saves chunks to the tier off the engine's thread.
 
-The engine thread only copies a chunk out of the KV cache and ``offer``s it; a
-daemon thread sends batches with ``Put``. The queue is bounded: when it is full
+The engine thread only copies a chunk out of the KV cache and ``offer``s it (its
+encoded frames, or a function that encodes them: then the sender thread does the
+encoding, e.g. compression); a daemon thread sends batches with ``Put``. The queue is bounded: when it is full
 (tier slow or down) new chunks are dropped and counted, never waited for. While
 the circuit breaker is open, dequeued batches are dropped too (``tier_down``).
 """
@@ -12,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,10 +37,14 @@ class PutTier(Protocol):
     def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int: ...
 
 
+Parts = Sequence[Buffer]
+Encode = Callable[[], list[Buffer]]
+
+
 @dataclass(frozen=True)
 class _Save:
     key: bytes
-    parts: Sequence[Buffer]
+    parts: Parts | Encode
     nbytes: int
 
 
@@ -74,8 +79,11 @@ class SaveSender:
     def has_room(self) -> bool:
         return not self._queue.full()
 
-    def offer(self, key: bytes, parts: Sequence[Buffer], nbytes: int) -> bool:
-        """Queue a chunk for saving; False (and counted) when the queue is full."""
+    def offer(self, key: bytes, parts: Parts | Encode, nbytes: int) -> bool:
+        """Queue a chunk for saving; False (and counted) when the queue is full.
+
+        ``parts``: the encoded frames (``nbytes`` in all), or a function returning them,
+        called on the sender thread (``nbytes`` is then measured there)."""
         try:
             self._idle.clear()
             self._queue.put_nowait(_Save(key, parts, nbytes))
@@ -131,24 +139,37 @@ class SaveSender:
                 self._idle.set()
 
     def _send(self, saves: list[_Save]) -> None:
-        if not saves:
+        ready = [encoded for save in saves if (encoded := self._encoded(save)) is not None]
+        if not ready:
             return
         if not self._breaker.allow():
-            self._recorder.count("saves_dropped", len(saves), label="tier_down")
+            self._recorder.count("saves_dropped", len(ready), label="tier_down")
             return
         started = time.perf_counter()
         try:
-            self._tier.put(((s.key, s.parts) for s in saves), timeout_s=self._timeout_s)
+            self._tier.put([(key, parts) for key, parts, _ in ready], timeout_s=self._timeout_s)
         except TierError as exc:
             self._breaker.failure()
             self._recorder.count("errors", label="save")
-            self._recorder.count("saves_dropped", len(saves), label="tier_down")
-            logger.warning("kvtier: Put of %d chunk(s) failed (%s)", len(saves), exc)
+            self._recorder.count("saves_dropped", len(ready), label="tier_down")
+            logger.warning("kvtier: Put of %d chunk(s) failed (%s)", len(ready), exc)
             return
         self._breaker.success()
         self._recorder.observe("save_seconds", time.perf_counter() - started)
-        self._recorder.count("saved_chunks", len(saves))
-        self._recorder.count("saved_bytes", sum(s.nbytes for s in saves))
+        self._recorder.count("saved_chunks", len(ready))
+        self._recorder.count("saved_bytes", sum(nbytes for _, _, nbytes in ready))
+
+    def _encoded(self, save: _Save) -> tuple[bytes, Parts, int] | None:
+        """``(key, frames, bytes)`` of a save, encoding it now if it came as a function."""
+        if not callable(save.parts):
+            return save.key, save.parts, save.nbytes
+        try:
+            parts = save.parts()
+        except Exception:
+            logger.exception("kvtier: encoding a chunk for the tier failed")
+            self._recorder.count("errors", label="save")
+            return None
+        return save.key, parts, sum(memoryview(p).nbytes for p in parts)
 
     def _delete(self, keys: list[bytes]) -> None:
         if not keys or not self._breaker.allow():

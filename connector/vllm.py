@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.connector import metrics
-from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.breaker import BreakerState, CircuitBreaker
 from kvtier.connector.client import TierClient
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import ConfigError, TierError
@@ -85,7 +85,7 @@ class KvtierConnectorStats(KVConnectorStats):
         return metrics.summarize(self.data)
 
     def is_empty(self) -> bool:
-        return not self.data.get("counters") and not self.data.get("histograms")
+        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges"))
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
@@ -99,7 +99,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._series = metrics.PromSeries(self._counter_cls, self._histogram_cls, labelnames)
+        self._series = metrics.PromSeries(
+            self._counter_cls, self._histogram_cls, labelnames, gauge_cls=self._gauge_cls
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._series.observe(transfer_stats_data, self.per_engine_labelvalues[engine_idx])
@@ -118,7 +120,10 @@ class KvtierConnector(KVConnectorBase_V1):
             on_open=lambda: self._recorder.count("breaker_opened"),
         )
         self._client = TierClient(
-            config.target, timeout_s=config.load_timeout_s, token=config.token
+            config.target,
+            timeout_s=config.load_timeout_s,
+            token=config.token,
+            token_file=config.auth_token_file,
         )
         load, save = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
         self._scheduler: KvtierScheduler | None = None
@@ -241,6 +246,9 @@ class KvtierConnector(KVConnectorBase_V1):
     # -- metrics --------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        # Every call (every step) carries the breaker's state, so the merged stats of a
+        # step hold the state of every half (the gauge is their max).
+        self._recorder.set("breaker_open", int(self._breaker.state is not BreakerState.CLOSED))
         data = self._recorder.take()
         return KvtierConnectorStats(data=data) if data is not None else None
 
@@ -295,6 +303,7 @@ def _key_specs(config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) 
             tp_rank=rank,
             tp_world_size=tp,
             hash_algo=config.hash_algo,
+            salt=config.salt or "",
         )
         for rank in range(tp)
     ]

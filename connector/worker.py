@@ -11,11 +11,13 @@ key fingerprint, length, checksum; then dtype and shape); a chunk that is missin
 late, corrupt or of another shape fails itself and every later chunk of its
 request, and their blocks are reported through ``failed_blocks()`` so vLLM
 recomputes them. Saves copy the chunk out of the KV cache (a memcpy) and hand it
-to the background sender.
+to the background sender, which also compresses them when ``codec`` is not ``raw``
+(so compression never runs on the engine's thread).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -152,7 +154,7 @@ class KvtierWorker:
             try:
                 self._scatter(key, blob, chunk)
             except ChunkDecodeError as exc:
-                self._recorder.count("corrupt_chunks")
+                self._recorder.count("corrupt_chunks", label=exc.reason)
                 logger.warning("kvtier: a stored chunk failed verification (%s); deleting it", exc)
                 self._sender.delete(key)
                 return index
@@ -168,7 +170,8 @@ class KvtierWorker:
         if decoded.dtype != self._dtype or decoded.shape != expected or expected[axis] < needed:
             raise ChunkDecodeError(
                 f"chunk is {decoded.dtype}{list(decoded.shape)}, this engine needs "
-                f"{self._dtype}{list(self._chunk_shape(needed))} or more blocks"
+                f"{self._dtype}{list(self._chunk_shape(needed))} or more blocks",
+                "shape",
             )
         with warnings.catch_warnings():
             # The payload is read-only; it is only copied from, never written.
@@ -191,12 +194,22 @@ class KvtierWorker:
             try:
                 tensor = self._gather(save.block_ids)
                 payload = tensor.view(torch.uint8).reshape(-1).numpy()
-                parts = encode_chunk(key, payload, dtype=self._dtype, shape=tuple(tensor.shape))
+                encode = functools.partial(
+                    encode_chunk,
+                    key,
+                    payload,
+                    dtype=self._dtype,
+                    shape=tuple(tensor.shape),
+                    codec=self._config.codec,
+                )
+                if self._config.codec == "raw":
+                    parts = encode()  # no work but a header: here, not on the sender
+                    self._sender.offer(key, parts, sum(memoryview(p).nbytes for p in parts))
+                else:  # compressing is real work: the sender thread does it
+                    self._sender.offer(key, encode, 0)
             except Exception:
                 logger.exception("kvtier: copying a chunk out of the KV cache failed")
                 self._recorder.count("errors", label="save")
-                continue
-            self._sender.offer(key, parts, sum(memoryview(p).nbytes for p in parts))
 
     def _gather(self, block_ids: Iterable[int]) -> torch.Tensor:
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self._layers[0].device)

@@ -18,7 +18,12 @@ from kvtier.connector.codec import (
     encode_chunk,
     encode_chunk_bytes,
 )
-from kvtier.connector.errors import ChunkDecodeError, ConfigError, ConnectorError
+from kvtier.connector.errors import (
+    CHUNK_ERROR_REASONS,
+    ChunkDecodeError,
+    ConfigError,
+    ConnectorError,
+)
 from kvtier.connector.keys import KeySpec, chunk_keys
 
 KEY = chunk_keys(range(256), [], KeySpec("tiny"))[0]
@@ -174,8 +179,8 @@ def test_a_decode_error_is_a_connector_error() -> None:
 
 
 def test_an_unknown_codec_name_is_rejected_when_encoding() -> None:
-    with pytest.raises(ConfigError, match="codec must be one of raw"):
-        encode_chunk(KEY, PAYLOAD, dtype="bfloat16", shape=SHAPE, codec="zstd")
+    with pytest.raises(ConfigError, match="codec must be one of raw, zstd"):
+        encode_chunk(KEY, PAYLOAD, dtype="bfloat16", shape=SHAPE, codec="lz4")
 
 
 def test_an_unknown_dtype_name_is_rejected_when_encoding() -> None:
@@ -192,3 +197,89 @@ def test_a_non_contiguous_payload_is_rejected_when_encoding() -> None:
     strided = memoryview(bytes(96))[::2]
     with pytest.raises(ValueError, match="contiguous"):
         encode_chunk(KEY, strided, dtype="bfloat16", shape=SHAPE)
+
+
+# -- the zstd codec -------------------------------------------------------------
+
+KV_LIKE = bytes(range(64)) * 64 + bytes(4096)  # compressible, 8 KiB
+KV_SHAPE = (2, 2048)
+
+
+def zstd_blob() -> bytearray:
+    return bytearray(encode_chunk_bytes(KEY, KV_LIKE, dtype="bfloat16", shape=KV_SHAPE, codec="zstd"))
+
+
+def test_a_zstd_chunk_decodes_to_the_raw_payload_and_is_smaller() -> None:
+    blob = zstd_blob()
+    chunk = decode_chunk(KEY, blob)
+    assert (chunk.dtype, chunk.shape, chunk.codec) == ("bfloat16", KV_SHAPE, "zstd")
+    assert chunk.payload == KV_LIKE
+    assert len(blob) < len(KV_LIKE) // 4
+    assert blob[5] == 1  # the codec id in the header
+
+
+def test_every_flipped_bit_of_a_zstd_chunk_is_a_decode_error() -> None:
+    blob = zstd_blob()
+    for bit in range(0, len(blob) * 8, 3):
+        corrupt = bytearray(blob)
+        corrupt[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ChunkDecodeError):
+            decode_chunk(KEY, corrupt)
+
+
+def test_a_corrupt_zstd_payload_is_caught_by_the_checksum_before_decompressing() -> None:
+    blob = zstd_blob()
+    blob[-3] ^= 0x40
+    with pytest.raises(ChunkDecodeError, match="checksum") as caught:
+        decode_chunk(KEY, blob)
+    assert caught.value.reason == "checksum"
+
+
+def test_a_resealed_payload_that_is_not_zstd_is_a_codec_error() -> None:
+    """Garbage that passes the checksum (a buggy writer) still never reaches the engine."""
+    blob = zstd_blob()
+    header_size = struct.unpack_from("<H", blob, 6)[0]
+    blob[header_size : header_size + 4] = b"junk"  # no zstd magic any more
+    with pytest.raises(ChunkDecodeError, match="zstd") as caught:
+        decode_chunk(KEY, reseal(blob))
+    assert caught.value.reason == "codec"
+
+
+def test_a_zstd_frame_of_another_size_is_rejected_before_decompressing() -> None:
+    import zstandard
+
+    bigger = zstandard.ZstdCompressor().compress(bytes(1 << 20))
+    blob = bytearray(encode_chunk_bytes(KEY, bytes(48), dtype="bfloat16", shape=SHAPE))
+    header_size = struct.unpack_from("<H", blob, 6)[0]
+    blob[5] = 1  # claim zstd, and carry a frame of 1 MiB for a 48-byte shape
+    blob[24:32] = struct.pack("<Q", len(bigger))
+    forged = reseal(blob[:header_size] + bytearray(bigger))
+    with pytest.raises(ChunkDecodeError, match="holds 1048576 bytes") as caught:
+        decode_chunk(KEY, forged)
+    assert caught.value.reason == "layout"
+
+
+def test_a_zstd_payload_must_fit_the_shape_when_encoding() -> None:
+    with pytest.raises(ValueError, match="needs 48"):
+        encode_chunk(KEY, PAYLOAD[:-2], dtype="bfloat16", shape=SHAPE, codec="zstd")
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (lambda b: b[:10], "truncated"),
+        (lambda b: b"XXXX" + b[4:], "format"),
+        (lambda b: b + b"\x00", "length"),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),
+    ],
+    ids=["truncated", "format", "length", "checksum"],
+)
+def test_decode_errors_carry_a_reason_from_the_bounded_set(corrupt, reason: str) -> None:
+    blob = encode_chunk_bytes(KEY, PAYLOAD, dtype="bfloat16", shape=SHAPE)
+    with pytest.raises(ChunkDecodeError) as caught:
+        decode_chunk(KEY, corrupt(blob))
+    assert caught.value.reason == reason
+    with pytest.raises(ChunkDecodeError) as other_key:
+        decode_chunk(OTHER_KEY, blob)
+    assert other_key.value.reason == "fingerprint"
+    assert reason in CHUNK_ERROR_REASONS

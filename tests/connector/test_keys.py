@@ -51,7 +51,8 @@ identifiers = st.one_of(
 @st.composite
 def small_specs(draw: st.DrawFn) -> KeySpec:
     block = draw(st.sampled_from([1, 2, 4]))
-    return KeySpec("tiny", block_size=block, chunk_size=block * draw(st.integers(1, 4)))
+    chunk = block * draw(st.integers(1, 4))
+    return KeySpec("tiny", block_size=block, chunk_size=chunk, salt=draw(st.text(max_size=3)))
 
 
 @st.composite
@@ -157,6 +158,7 @@ PINNED_CHANGES: list[tuple[str, Any]] = [
     ("pp_rank", 1),
     ("pp_world_size", 4),
     ("hash_algo", "xxh3_128"),
+    ("salt", "team-a"),
 ]
 
 
@@ -211,6 +213,15 @@ def test_fields_with_a_shifted_boundary_give_different_keys(
     keys_first = chunk_keys(range(16), [], KeySpec(**{"model_id": "m", **base, **first}))
     keys_second = chunk_keys(range(16), [], KeySpec(**{"model_id": "m", **base, **second}))
     assert set(keys_first).isdisjoint(keys_second)
+
+
+def test_engine_salt_and_request_salt_with_a_shifted_boundary_give_different_keys() -> None:
+    """salt "a" + cache_salt "bc" is not salt "ab" + cache_salt "c"."""
+    base = KeySpec("tiny", block_size=4, chunk_size=8)
+    first = chunk_keys(range(16), [], replace(base, salt="a"), "bc")
+    second = chunk_keys(range(16), [], replace(base, salt="ab"), "c")
+    concatenated = chunk_keys(range(16), [], base, "abc")
+    assert len({*first, *second, *concatenated}) == 3 * len(first)
 
 
 def test_request_fields_with_a_shifted_boundary_give_different_keys() -> None:
@@ -400,6 +411,7 @@ def reference_keys(
     pinned += [(name, getattr(spec, name)) for name in ("kv_layout", "block_size", "chunk_size")]
     pinned += [(name, getattr(spec, name)) for name in ("tp_rank", "tp_world_size", "pp_rank")]
     pinned += [("pp_world_size", spec.pp_world_size), ("hash_algo", spec.hash_algo)]
+    pinned += [("salt", spec.salt)]
     prefix = b"".join(field(name, value) for name, value in pinned)
     prefix += field("cache_salt", salt) + field("lora_name", "") + field("lora_path", "")
     values, digests = list(tokens), {}
@@ -491,6 +503,7 @@ def vector_inputs() -> list[dict[str, Any]]:
                 "tp_world_size": 2,
                 "pp_rank": 1,
                 "pp_world_size": 3,
+                "salt": "team-a",
             },
             "request": none,
             "mm_items": [],

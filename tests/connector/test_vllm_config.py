@@ -124,3 +124,83 @@ def test_breaker_failed_probe_reopens_for_another_cooldown() -> None:
     clock.now = 9.9
     assert not breaker.allow()
     assert opened == [1]  # counted once: closed -> open
+
+
+# -- keys the operator sends ------------------------------------------------------
+
+
+def test_auth_token_file_is_read_at_start_and_stripped(tmp_path) -> None:
+    path = tmp_path / "token"
+    path.write_text("  s3cret-token\n")
+    config = ConnectorConfig.from_extra_config({"target": "h:1", "auth_token_file": str(path)})
+    assert config.token == "s3cret-token"
+    assert config.auth_token_file == str(path)
+    assert "s3cret" not in repr(config)
+
+
+@pytest.mark.parametrize("content", [None, "", " \n"], ids=["missing", "empty", "blank"])
+def test_an_unusable_auth_token_file_names_the_key(tmp_path, content: str | None) -> None:
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.auth_token_file"):
+        ConnectorConfig.from_extra_config({"target": "h:1", "auth_token_file": str(path)})
+
+
+@pytest.mark.parametrize("other", [{"token": "t"}, {"token_env": "KVTIER_TEST_TOKEN"}])
+def test_auth_token_file_excludes_the_other_token_sources(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, other: dict[str, str]
+) -> None:
+    monkeypatch.setenv("KVTIER_TEST_TOKEN", "s3cret")
+    path = tmp_path / "token"
+    path.write_text("t")
+    extra = {"target": "h:1", "auth_token_file": str(path), **other}
+    with pytest.raises(ConfigError, match=r"give one of token, token_env, auth_token_file"):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_token_and_token_env_still_exclude_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_TEST_TOKEN", "s3cret")
+    with pytest.raises(ConfigError, match="not token and token_env"):
+        ConnectorConfig.from_extra_config(
+            {"target": "h:1", "token": "t", "token_env": "KVTIER_TEST_TOKEN"}
+        )
+
+
+def test_the_operators_keys_are_accepted(tmp_path) -> None:
+    """What operator/children.py emits: target, chunk_size, codec, salt_policy, salt,
+    auth_token_file."""
+    path = tmp_path / "token"
+    path.write_text("t0ken")
+    config = ConnectorConfig.from_extra_config(
+        {
+            "target": "kvtier-tier.ns.svc:50051",
+            "chunk_size": 256,
+            "codec": "zstd",
+            "salt_policy": "request",
+            "salt": "ns",
+            "auth_token_file": str(path),
+        }
+    )
+    assert (config.codec, config.salt, config.token) == ("zstd", "ns", "t0ken")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("codec", "none"),
+        ("codec", "lz4"),
+        ("codec", 1),
+        ("salt", ""),
+        ("salt", 7),
+        ("auth_token_file", ""),
+    ],
+)
+def test_bad_codec_salt_or_token_file_names_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}"):
+        ConnectorConfig.from_extra_config({"target": "127.0.0.1:1", key: value})
+
+
+def test_codec_defaults_to_raw_and_salt_to_none() -> None:
+    config = ConnectorConfig(target="h:1")
+    assert (config.codec, config.salt, config.auth_token_file) == ("raw", None, None)

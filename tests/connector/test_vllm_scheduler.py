@@ -288,3 +288,104 @@ def test_metadata_is_picklable(role: str) -> None:
     meta = scheduler.build_connector_meta(step([(req, list(range(8)), 256, 744)]))
     again = pickle.loads(pickle.dumps(meta))
     assert isinstance(again, StepPlan) and again == meta
+
+
+# -- the fixed salt, bad multimodal data, tensor-parallel keys --------------------
+
+
+def make_specs_scheduler(
+    tier: FakeTier, specs: list[KeySpec], **config: Any
+) -> tuple[KvtierScheduler, Recorder]:
+    cfg = ConnectorConfig.from_extra_config({"target": "h:1", "chunk_size": CHUNK, **config})
+    recorder = Recorder()
+    breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    return KvtierScheduler(cfg, specs, tier, breaker=breaker, recorder=recorder), recorder
+
+
+def test_engine_salt_changes_keys_even_when_request_salts_are_ignored() -> None:
+    from dataclasses import replace
+
+    spec = KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK)
+    found = []
+    for salt in ("", "ns-a", "ns-b"):
+        tier = FakeTier()
+        scheduler, _ = make_specs_scheduler(tier, [replace(spec, salt=salt)], salt_policy="none")
+        scheduler.get_num_new_matched_tokens(request(600, salt="ignored"), 0)
+        found.append(tier.lookups[0])
+    assert len({key for keys in found for key in keys}) == 3 * len(found[0])
+
+
+def test_engine_salt_alone_does_not_satisfy_the_required_policy() -> None:
+    tier = FakeTier(held=3)
+    spec = KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK, salt="ns")
+    scheduler, recorder = make_specs_scheduler(tier, [spec], salt_policy="required", salt="ns")
+    assert scheduler.get_num_new_matched_tokens(request(1000), 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(request(1000), 0) == (0, False)
+    assert tier.lookups == []
+    assert recorder.total("requests_skipped", "no_salt") == 1  # judged once per request
+
+
+def mm_feature(identifier: Any, offset: Any, length: Any) -> Any:
+    return SimpleNamespace(
+        identifier=identifier,
+        mm_hash=identifier,
+        mm_position=SimpleNamespace(offset=offset, length=length),
+    )
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        [mm_feature("img", -5, 64)],
+        [mm_feature("img", 300, 0)],
+        [mm_feature(None, 300, 64)],
+        [mm_feature("img", "300", 64)],
+        [mm_feature("a", 300, 64), mm_feature("b", 320, 64)],  # overlapping
+    ],
+    ids=["negative-offset", "empty-span", "no-identifier", "offset-not-int", "overlap"],
+)
+def test_bad_multimodal_data_is_no_hit_for_that_request_only(features: list[Any]) -> None:
+    tier = FakeTier(held=3)
+    scheduler, recorder = make_scheduler(tier)
+    bad = request(1000, "bad", mm=features)
+
+    assert scheduler.get_num_new_matched_tokens(bad, 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(bad, 0) == (0, False)  # rescheduled
+    assert scheduler.get_num_new_matched_tokens(request(1000, "good"), 0) == (768, False)
+
+    assert recorder.total("requests_skipped", "bad_input") == 1
+    assert len(tier.lookups) == 1  # only the good request asked the tier
+    plan = scheduler.build_connector_meta(step([(bad, list(range(8)), 0, 1000)]))
+    assert plan.loads == [] and plan.saves == []  # and the bad one is never saved
+
+
+def test_token_ids_out_of_range_are_no_hit_not_a_crash() -> None:
+    tier = FakeTier(held=3)
+    scheduler, recorder = make_scheduler(tier)
+    req = request(1000)
+    req.prompt_token_ids[5] = -1
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert recorder.total("requests_skipped", "bad_input") == 1
+
+
+def test_each_tensor_parallel_rank_gets_its_own_keys() -> None:
+    from kvtier.connector.keys import chunk_keys
+
+    specs = [
+        KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK, tp_rank=r, tp_world_size=2)
+        for r in range(2)
+    ]
+    tier = FakeTier(held=1)
+    scheduler, _ = make_specs_scheduler(tier, specs)
+    req = request(1000, mm=[mm_feature("img", 300, 64)])
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, blocks(list(range(8))), ext)
+    plan = scheduler.build_connector_meta(step([(req, list(range(8)), 256, 744)]))
+
+    from kvtier.connector.keys import MMItem
+
+    items = [MMItem("img", 300, 64)]
+    expected = [chunk_keys(req.prompt_token_ids, items, spec) for spec in specs]
+    assert plan.loads[0].chunks[0].keys == (expected[0][0], expected[1][0])
+    assert [s.keys for s in plan.saves] == [(expected[0][c], expected[1][c]) for c in (1, 2)]
+    assert tier.lookups == [expected[0]]  # one Lookup, with rank 0's keys
