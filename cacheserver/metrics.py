@@ -3,8 +3,9 @@
 Request-level metrics are updated by the servicer as calls finish. Tier-level
 metrics (hits, misses, bytes used, evictions, ...) are read from the tiers'
 own counters at scrape time by ``TierCollector``, so there is one source of
-truth and no bookkeeping on the hot path. Labels are bounded: ``op`` (the five
-calls), ``code`` (gRPC status names), ``tier`` (ram, disk, redis).
+truth and no bookkeeping on the hot path. Labels are bounded: ``op`` (the five gRPC
+calls Lookup, Get, Put, Delete, Stats, and the data port's DataHello, DataGet, DataPut,
+DataInvalid), ``code`` (gRPC status names), ``tier`` (ram, disk, redis).
 
 Each server owns its registry, so several servers can live in one process (tests).
 """

@@ -20,7 +20,8 @@ if __name__ == "operator":  # pragma: no cover - a misconfigured interpreter, no
     # it would shadow the standard library's module of that name: that happens
     # when Python puts the repository root on sys.path (python -c / -m run from it).
     raise ImportError(
-        "kvtier's operator/ folder is shadowing the standard library's 'operator' module: "
-        "run Python with -P (or PYTHONSAFEPATH=1) from the repository root, or from another "
-        "directory; the scripts in scripts/ do this for you"
+        "kvtier's operator/ folder is shadowing the standard library's 'operator' module "
+        "(the repository root is on sys.path and the interpreter had not loaded the standard "
+        "one yet, e.g. python -S): run Python with -P (or PYTHONSAFEPATH=1) from the "
+        "repository root, or from another directory"
     )
