@@ -21,7 +21,7 @@ if __name__ == "operator":  # pragma: no cover - a misconfigured interpreter, no
     # when Python puts the repository root on sys.path (python -c / -m run from it).
     raise ImportError(
         "kvtier's operator/ folder is shadowing the standard library's 'operator' module "
-        "(the repository root is on sys.path and the interpreter had not loaded the standard "
-        "one yet, e.g. python -S): run Python with -P (or PYTHONSAFEPATH=1) from the "
-        "repository root, or from another directory"
+        "(the repository root was on sys.path before the interpreter loaded the standard "
+        "one: PYTHONPATH names it, or python -S): keep the root off PYTHONPATH and import "
+        "kvtier from the installed package (scripts/setup installs it editable)"
     )
