@@ -156,6 +156,7 @@ def test_frozen_tier_opens_breaker_then_probe_closes_it(
     assert failed >= FAST_FAULTS["breaker_failures"]
     assert skipped >= 1  # the open breaker spared the tier (and the engine) the rest
     assert delta(faulty, before, "breaker_opened") >= 1
+    assert faulty.stats()["breaker_open"] >= 1  # the gauge behind the CircuitOpen alert
     assert elapsed < failed * FAST_FAULTS["lookup_timeout_s"] + 10
 
     deadline = time.monotonic() + 30
@@ -166,3 +167,4 @@ def test_frozen_tier_opens_breaker_then_probe_closes_it(
             break
     assert out.num_cached_tokens == 3 * CHUNK
     assert out.token_ids == expected
+    assert faulty.stats()["breaker_open"] == 0

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvtier.connector.client import TierClient
 from kvtier.connector.codec import decode_chunk, encode_chunk_bytes
@@ -130,7 +131,8 @@ def test_chunk_failing_its_checksum_is_recomputed_and_deleted(engines, client) -
 
     after = b.stats()
     assert out.token_ids == expected
-    assert after.get("corrupt_chunks", 0) == before.get("corrupt_chunks", 0) + 1
+    key = "corrupt_chunks:checksum"
+    assert after.get(key, 0) == before.get(key, 0) + 1
     assert after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0) == 4
     assert client.lookup(keys) == 1  # the bad chunk was deleted from the tier
 
@@ -152,3 +154,70 @@ def test_chunk_corrupted_on_tier_disk_is_recomputed(engines, tier: TierProcess) 
     after = b.stats()
     assert out.token_ids == expected
     assert after.get("load_failed_blocks", 0) > before.get("load_failed_blocks", 0)
+
+
+# -- the zstd codec --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zstd_writer(
+    text_model: Path, tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> EngineProcess:
+    """Engine Z stores its chunks zstd-compressed (``codec: zstd``); A and B use raw."""
+    config = {"target": tier.target, "chunk_size": CHUNK, "codec": "zstd", **RELAXED}
+    return start_engine(text_model, name="z", extra_config=config)
+
+
+def saved_by_z(zstd_writer: EngineProcess, seed: int) -> tuple[str, list[int]]:
+    prompt = prompt_text(PROMPT_WORDS, seed=seed)
+    (out,) = zstd_writer.generate([{"prompt": prompt}])
+    assert out.num_cached_tokens == 0
+    zstd_writer.flush()
+    return prompt, out.token_ids
+
+
+def test_zstd_chunks_are_smaller_and_load_with_identical_output(
+    engines, zstd_writer: EngineProcess, client: TierClient
+) -> None:
+    """The codec is in each chunk's header, not in its key: an engine configured raw
+    reads zstd chunks."""
+    _, b = engines
+    prompt, from_z = saved_by_z(zstd_writer, seed=6)
+    keys = b.chunk_keys(prompt)
+    blobs = client.get(keys)
+    assert len(blobs) == len(keys) == 3
+    for key, blob in zip(keys, blobs, strict=True):
+        assert blob is not None
+        chunk = decode_chunk(key, blob)
+        assert chunk.codec == "zstd"
+        assert len(blob) < chunk.payload.nbytes  # compressed (ratios: docs/connector.md)
+
+    (out,) = b.generate([{"prompt": prompt}])
+
+    assert out.num_cached_tokens == 3 * CHUNK
+    assert out.token_ids == from_z == reference(engines, prompt)
+
+
+def test_zstd_chunk_that_passes_its_checksum_but_does_not_decode_is_never_loaded(
+    engines, zstd_writer: EngineProcess, client: TierClient
+) -> None:
+    """A writer bug (junk compressed payload, valid checksum): a miss, counted by reason."""
+    _, b = engines
+    prompt, expected = saved_by_z(zstd_writer, seed=7)
+    keys = b.chunk_keys(prompt)
+    blob = bytearray(client.get(keys[1:2])[0])
+    header_size = int.from_bytes(blob[6:8], "little")
+    blob[header_size : header_size + 8] = b"not zstd"
+    checksum = xxhash.xxh3_64(bytes(blob[: header_size - 8]) + bytes(blob[header_size:]))
+    blob[header_size - 8 : header_size] = checksum.intdigest().to_bytes(8, "little")
+    assert client.put([(keys[1], bytes(blob))]) == 1
+    before = b.stats()
+
+    (out,) = b.generate([{"prompt": prompt}])
+    b.flush()
+
+    after = b.stats()
+    assert out.token_ids == expected
+    assert after.get("corrupt_chunks:codec", 0) == before.get("corrupt_chunks:codec", 0) + 1
+    assert after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0) == 4
+    assert client.lookup(keys) == 1  # deleted from the tier
