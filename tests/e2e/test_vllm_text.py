@@ -221,3 +221,31 @@ def test_zstd_chunk_that_passes_its_checksum_but_does_not_decode_is_never_loaded
     assert after.get("corrupt_chunks:codec", 0) == before.get("corrupt_chunks:codec", 0) + 1
     assert after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0) == 4
     assert client.lookup(keys) == 1  # deleted from the tier
+
+
+def test_engine_with_a_salt_and_a_token_file_shares_nothing_with_unsalted_engines(
+    engines, text_model: Path, tier: TierProcess, start_engine, tmp_path: Path
+) -> None:
+    """The operator's keys (``salt``: the namespace, ``auth_token_file``: a mounted
+    Secret) start an engine; its keys differ from an unsalted engine's, and it hits its
+    own entries."""
+    token = tmp_path / "token"
+    token.write_text("ignored-by-a-tier-without-auth\n")
+    config = {
+        "target": tier.target,
+        "chunk_size": CHUNK,
+        "salt": "team-a",
+        "salt_policy": "request",
+        "auth_token_file": str(token),
+        **RELAXED,
+    }
+    salted = start_engine(text_model, name="s", extra_config=config)
+    prompt, from_a = saved_by_a(engines, seed=8)
+
+    (first,) = salted.generate([{"prompt": prompt}])
+    salted.flush()
+    (again,) = salted.generate([{"prompt": prompt}])
+
+    assert first.num_cached_tokens == 0  # A's entries are not this salt's
+    assert again.num_cached_tokens == 3 * CHUNK
+    assert first.token_ids == again.token_ids == from_a
