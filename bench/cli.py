@@ -3,6 +3,7 @@
     python -m bench tier [--tiny] [...]     the tier data path (bench/tier.py)
     python -m bench keys [...]              cache keys against vLLM's (bench/keys.py)
     python -m bench ec [--tiny] [...]       the encoder-output cache (bench/ec.py)
+    python -m bench e2e [--tiny] [...]      TTFT on real vLLM, no cache / vLLM offload / kvtier (bench/e2e.py)
 
 Each harness prints a Markdown table; docs/benchmarks.md has the results and the
 exact commands that made them.
@@ -17,6 +18,7 @@ HARNESSES = {
     "tier": "the tier data path: GET/PUT through kvtier, raw TCP, redis-py, LMCache",
     "keys": "cache keys: kvtier's chunk keys against vLLM's block hashes",
     "ec": "the encoder-output cache: TTFT and encoder time on an image-heavy workload",
+    "e2e": "end to end: TTFT on real vLLM, no cache / vLLM's CPU offloading / kvtier",
 }
 
 
@@ -36,6 +38,10 @@ def main(argv: Sequence[str]) -> int:
         from bench import tier
 
         return tier.main(rest)
+    if name == "e2e":
+        from bench import e2e
+
+        return e2e.main(rest)
     if name == "ec":
         from bench import ec
 
