@@ -297,6 +297,7 @@ def arm_spec(arm: str, model: Path, max_len: int, mm_images: int, tier: str, arg
     }
     if mm_images:
         llm["limit_mm_per_prompt"] = {"image": mm_images, "video": 0}
+        llm["mm_processor_cache_gb"] = 0  # no in-engine reuse of processed images
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     spec: dict[str, Any] = {"llm": llm, "kvtier": None}
     if arm in ("vllm-offload", "vllm-simple-offload"):
@@ -510,6 +511,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     total = sum(len(g[1]) for g in groups) * len(arms)
     progress = Progress(total)
+    shutil.rmtree(work / "tier", ignore_errors=True)  # a fresh tier: its disk tier persists
     tier = TierProcess.start(
         work / "tier", "--ram-bytes", args.tier_ram, "--disk-bytes", args.tier_disk
     )
