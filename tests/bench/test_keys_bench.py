@@ -1,0 +1,40 @@
+"""The keys harness (bench/keys.py) runs through ``kvtier bench keys``.
+
+A smoke test, not a speed test: one round of every row (kvtier's chunk keys and
+vLLM's own block hasher on the same 32k-token prompt with images) lands in a
+well-formed table. No time is asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = [
+    "kvtier chunk_keys, sha256",
+    "kvtier chunk_keys, sha256, tokens given packed",
+    "kvtier chunk_keys, xxh3_128",
+    "kvtier chunk_keys, xxh3_128, tokens given packed",
+    "packing the token list alone (array.fromlist)",
+    "vLLM block hasher, sha256, block 16",
+    "vLLM block hasher, sha256, block 256",
+]
+
+
+def test_kvtier_bench_keys_prints_every_row_against_vllms_block_hasher() -> None:
+    code = "import sys; sys.path.append(sys.argv[1]); from bench.cli import main; sys.exit(main(sys.argv[2:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), "keys", "--repeat", "1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert table[0] == "| what | median µs | best µs | median / first row |"
+    assert [row.split("|")[1].strip() for row in table[2:]] == ROWS
+    assert table[2].endswith("| 1.00 |")
+    for row in table[2:]:
+        assert float(row.split("|")[2]) > 0
