@@ -25,6 +25,7 @@ the config goes into every key under every policy, and does not count as a reque
 salt for ``required``."""
 
 TOKEN_SOURCES: Final = ("token", "token_env", "auth_token_file")
+TLS_FILES: Final = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 _PREFIX: Final = "kv_connector_extra_config"
 
@@ -66,6 +67,12 @@ class ConnectorConfig:
     namespace: engines with different salts never share entries)."""
     codec: str = "raw"
     """How chunk payloads are stored, one of ``kvtier.connector.codec.CODEC_IDS``."""
+    tls_ca_file: str | None = None
+    """Speak TLS to the tier, verifying its certificate with this CA bundle (PEM)."""
+    tls_cert_file: str | None = None
+    """A client certificate (PEM) for a tier that requires mutual TLS; with ``tls_key_file``."""
+    tls_key_file: str | None = None
+    """The private key (PEM) of ``tls_cert_file``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or ":" not in self.target:
@@ -106,10 +113,19 @@ class ConnectorConfig:
                     f"{_PREFIX}.codec 'zstd' needs the zstandard package "
                     "(pip install 'kvtier[connector]')"
                 ) from exc
-        for name in ("token", "model_id", "salt", "auth_token_file"):
+        for name in ("token", "model_id", "salt", "auth_token_file", *TLS_FILES):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"{_PREFIX}.{name} must be a non-empty string, got {value!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError(
+                f"{_PREFIX}: give both tls_cert_file and tls_key_file (a client certificate "
+                "for mutual TLS), or neither"
+            )
+        for name in TLS_FILES:
+            path = getattr(self, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ConfigError(f"{_PREFIX}.{name}: cannot read {path!r}")
         if self.auth_token_file is not None and self.token is None:
             object.__setattr__(self, "token", read_token_file(self.auth_token_file))
 

@@ -148,8 +148,10 @@ class KvtierECConnector(ECConnectorBase):
         token_file = getattr(config, "auth_token_file", None)
         rotation: dict[str, Any] = {"token_file": token_file} if token_file else {}
         self._client = TierClient(
-            config.target, timeout_s=config.load_timeout_s, token=config.token, **rotation
-        )
+            config.target, timeout_s=config.load_timeout_s, token=config.token,
+            tls_ca_file=config.tls_ca_file, tls_cert_file=config.tls_cert_file,
+            tls_key_file=config.tls_key_file, **rotation,
+        )  # fmt: skip
         self._worker_stats: list[dict[str, Any]] = []
         self._scheduler: KvtierECScheduler | None = None
         self._worker: KvtierECWorker | None = None

@@ -124,6 +124,9 @@ class KvtierConnector(KVConnectorBase_V1):
             timeout_s=config.load_timeout_s,
             token=config.token,
             token_file=config.auth_token_file,
+            tls_ca_file=config.tls_ca_file,
+            tls_cert_file=config.tls_cert_file,
+            tls_key_file=config.tls_key_file,
         )
         load, save = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
         self._scheduler: KvtierScheduler | None = None

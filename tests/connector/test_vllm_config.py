@@ -204,3 +204,27 @@ def test_bad_codec_salt_or_token_file_names_the_key(key: str, value: object) -> 
 def test_codec_defaults_to_raw_and_salt_to_none() -> None:
     config = ConnectorConfig(target="h:1")
     assert (config.codec, config.salt, config.auth_token_file) == ("raw", None, None)
+
+
+def test_tls_files_are_accepted(tmp_path) -> None:
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (tmp_path / name).write_text("PEM")
+    files = {"tls_ca_file": "ca.crt", "tls_cert_file": "tls.crt", "tls_key_file": "tls.key"}
+    extra = {"target": "h:1", **{key: str(tmp_path / name) for key, name in files.items()}}
+    config = ConnectorConfig.from_extra_config(extra)
+    assert (config.tls_ca_file, config.tls_cert_file, config.tls_key_file) == tuple(
+        str(tmp_path / name) for name in files.values()
+    )
+
+
+def test_a_client_certificate_without_its_key_names_both_keys(tmp_path) -> None:
+    (tmp_path / "tls.crt").write_text("PEM")
+    with pytest.raises(ConfigError, match="give both tls_cert_file and tls_key_file"):
+        ConnectorConfig.from_extra_config(
+            {"target": "h:1", "tls_cert_file": str(tmp_path / "tls.crt")}
+        )
+
+
+def test_an_unreadable_tls_file_names_the_key(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.tls_ca_file: cannot read"):
+        ConnectorConfig.from_extra_config({"target": "h:1", "tls_ca_file": str(tmp_path / "none")})
