@@ -4,7 +4,8 @@ gRPC moves every value through protobuf messages: built, copied into grpc's
 buffers, and reassembled from frames, three user-space copies per value
 (docs/benchmarks.md, "Tier data path"). Here a value crosses none: a PUT is
 received straight into the ``bytearray`` that the RAM tier then keeps (as a
-read-only view), and a GET sends a view of the stored object.
+read-only view; recycled from a dropped value of the same size when the tier
+has one, ``bufferpool``), and a GET sends a view of the stored object.
 
 The format is ``kvtier.proto.datawire`` (docs/protocol.md, "Data port"). It
 serves the same store with the same rules as ``CacheServicer``: the caller's
@@ -475,7 +476,7 @@ class _Connection:
         assert self.stream is not None
         stored = rejected = 0
         for key, length in items:
-            buf = bytearray(length)
+            buf = self.port.store.receive_buffer(length)
             await self._recv(memoryview(buf))  # a cut here stores nothing of this value
             self.metrics.received_bytes.inc(length)
             if await self.port.store.put(scoped(tenant, key), memoryview(buf).toreadonly()):  # type: ignore[arg-type]

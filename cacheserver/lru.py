@@ -5,7 +5,10 @@
 1. the tenant's own least recently used entries, while the tenant would go
    over its quota (``tenant_quota_bytes``, 0 = no quota);
 2. then the least recently used entries of anybody, while the tier would go
-   over its capacity.
+   over its capacity;
+3. then, while the entry plus ``reserve`` bytes (the RAM tier's recycled
+   buffers, ``bufferpool``) would go over the capacity, the least recently
+   used entries of anybody, or of the same tenant only when quotas are on.
 
 With quotas whose sum is at most the capacity, step 2 never runs for a
 tenant within its quota, so one tenant's load cannot evict another tenant's
@@ -46,8 +49,12 @@ class ByteLru:
             self._order.move_to_end(key)
             self._tenants[tenant_of(key)].move_to_end(key)
 
-    def admit(self, key: bytes, size: int) -> list[bytes]:
-        """Records ``key`` (replacing an older entry) and returns the keys evicted for it."""
+    def admit(self, key: bytes, size: int, reserve: int = 0) -> list[bytes]:
+        """Records ``key`` (replacing an older entry) and returns the keys evicted for it.
+
+        ``reserve``: bytes the caller keeps outside the entries but within the
+        capacity; made room for as far as step 3 allows.
+        """
         self.remove(key)
         tenant = tenant_of(key)
         evicted: list[bytes] = []
@@ -61,6 +68,12 @@ class ByteLru:
             victim = next(iter(self._order))
             self.remove(victim)
             evicted.append(victim)
+        if reserve:
+            pool = self._tenants.get(tenant) if self.tenant_quota_bytes else self._order
+            while pool and self.used + size + reserve > self.capacity_bytes:
+                victim = next(iter(pool))
+                self.remove(victim)
+                evicted.append(victim)
         self._order[key] = size
         self._tenants.setdefault(tenant, OrderedDict())[key] = None
         self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + size

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.cacheserver.ram import RamTier
 from kvtier.cacheserver.tiers import Tier
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -116,7 +117,18 @@ class TierCollector(Collector):
         healthy = GaugeMetricFamily(
             "kvtier_tier_healthy", "1 when the tier answers, 0 while it is failing.", labels=["tier"]
         )
+        pooled = GaugeMetricFamily(
+            "kvtier_ram_recycled_bytes",
+            "Bytes of dropped values' buffers the RAM tier keeps for new values (within its capacity).",
+        )
+        reused = CounterMetricFamily(
+            "kvtier_ram_recycled_buffers_reused",
+            "Values received into a recycled buffer instead of fresh memory.",
+        )
         for tier in self._tiers():
+            if isinstance(tier, RamTier):
+                pooled.add_metric([], tier.pool.bytes)
+                reused.add_metric([], tier.pool.reused)
             c, u = tier.counters, tier.usage()
             hits.add_metric([tier.name], c.hits)
             misses.add_metric([tier.name], c.misses)
@@ -126,4 +138,4 @@ class TierCollector(Collector):
             capacity.add_metric([tier.name], u.capacity_bytes)
             entries.add_metric([tier.name], u.entries)
             healthy.add_metric([tier.name], 1.0 if self._healthy(tier.name) else 0.0)
-        yield from (hits, misses, evictions, corrupt, used, capacity, entries, healthy)
+        yield from (hits, misses, evictions, corrupt, used, capacity, entries, healthy, pooled, reused)

@@ -5,12 +5,19 @@ memoryviews over the received message or reassembly buffer), so a get hands
 out the stored object itself (no copy) and no verification is needed (nothing
 at rest can corrupt it). Single-threaded: it is only touched from the server's
 event loop.
+
+The buffers of values it drops go to ``pool`` (``bufferpool``), whose bytes
+count against the capacity: entries + pool <= ``capacity_bytes``. When the
+tier is full, an entry of a recyclable size evicts enough to keep the pool
+(and one more buffer of its size, for the next Put) within the capacity.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
+from kvtier.cacheserver.bufferpool import BufferPool
 from kvtier.cacheserver.lru import ByteLru
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 
@@ -18,9 +25,12 @@ from kvtier.cacheserver.tiers import TierCounters, TierUsage
 class RamTier:
     name = "ram"
 
-    def __init__(self, capacity_bytes: int, *, tenant_quota_bytes: int = 0) -> None:
+    def __init__(
+        self, capacity_bytes: int, *, tenant_quota_bytes: int = 0, recycle_bytes: int = 0
+    ) -> None:
         self.counters = TierCounters()
         self.lru = ByteLru(capacity_bytes, tenant_quota_bytes)
+        self.pool = BufferPool(recycle_bytes)
         self._values: dict[bytes, bytes | memoryview] = {}
 
     @property
@@ -30,6 +40,7 @@ class RamTier:
     @capacity_bytes.setter
     def capacity_bytes(self, value: int) -> None:
         self.lru.capacity_bytes = value
+        self.pool.shrink(value - self.lru.used)
 
     async def get(self, key: bytes) -> bytes | memoryview | None:
         value = self._values.get(key)
@@ -48,9 +59,16 @@ class RamTier:
         size = memoryview(data).nbytes
         if not self.lru.fits(size):
             return False
-        for victim in self.lru.admit(key, size):
-            del self._values[victim]
+        if self.lru.remove(key) is not None:
+            self._forget(key)
+        if self.lru.used + size + self.pool.bytes > self.lru.capacity_bytes:
+            self.pool.keep_only(size)  # a full tier keeps no buffers of sizes nobody puts now
+        recyclable = isinstance(data, memoryview) and isinstance(data.obj, bytearray)
+        reserve = self.pool.bytes + (size if recyclable and self.pool.wants(size) else 0)
+        for victim in self.lru.admit(key, size, reserve):
+            self._forget(victim)
             self.counters.evictions += 1
+        self.pool.shrink(self.lru.capacity_bytes - self.lru.used)
         self._values[key] = data
         return True
 
@@ -58,16 +76,36 @@ class RamTier:
         n = 0
         for key in keys:
             if self.lru.remove(key) is not None:
-                del self._values[key]
+                self._forget(key)
                 n += 1
         return n
 
+    def _forget(self, key: bytes) -> None:
+        """Drops a value the LRU no longer holds; its buffer goes to the pool if nothing else sees it."""
+        value = self._values.pop(key)
+        if not isinstance(value, memoryview):
+            return
+        buf = value.obj
+        whole = isinstance(buf, bytearray) and value.nbytes == len(buf)
+        del value
+        # Every memoryview of ``buf`` shares one export that holds a reference
+        # to it; with no view alive anywhere, the only references left are
+        # ``buf`` here and getrefcount's argument (CPython counts exactly).
+        if whole and sys.getrefcount(buf) == 2:
+            room = self.lru.capacity_bytes - self.lru.used - self.pool.bytes
+            self.pool.keep(buf, room)  # type: ignore[arg-type]
+
     def usage(self) -> TierUsage:
         return TierUsage(self.lru.used, self.lru.capacity_bytes, len(self.lru))
+
+    def receive_buffer(self, size: int) -> bytearray:
+        """A buffer to receive a value of ``size`` bytes into (recycled when the pool has one)."""
+        return self.pool.take(size)
 
     async def ping(self) -> None:
         return None
 
     async def close(self) -> None:
         self._values.clear()
+        self.pool.clear()
         self.lru = ByteLru(self.lru.capacity_bytes, self.lru.tenant_quota_bytes)

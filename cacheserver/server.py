@@ -75,7 +75,10 @@ class RunningServer:
 
 async def build_tiers(settings: Settings) -> list[Tier]:
     quota = settings.tenant_quota_bytes
-    tiers: list[Tier] = [RamTier(settings.ram_bytes, tenant_quota_bytes=quota)]
+    recycle = min(settings.ram_recycle_bytes, settings.ram_bytes // 4)
+    tiers: list[Tier] = [
+        RamTier(settings.ram_bytes, tenant_quota_bytes=quota, recycle_bytes=recycle)
+    ]
     if settings.disk_bytes > 0 and settings.disk_dir is not None:
         disk = DiskTier(
             settings.disk_dir, settings.disk_bytes, fsync=settings.disk_fsync, tenant_quota_bytes=quota

@@ -184,7 +184,7 @@ class CacheServicer:
                     value: memoryview = f.data
                     filled = n
                 else:
-                    buf = bytearray(total)
+                    buf = self.store.receive_buffer(total)  # stored only once filled whole
             elif key is None:
                 raise InvalidRequest("PutFrame.key: the first frame of a value must carry its key")
             else:

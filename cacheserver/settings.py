@@ -73,6 +73,7 @@ class Settings:
     data_timeout_s: float = 30.0
     metrics_port: int = 9400
     ram_bytes: int = 2 << 30
+    ram_recycle_bytes: int = 256 << 20
     disk_dir: Path | None = None
     disk_bytes: int = 20 << 30
     disk_fsync: bool = False
@@ -159,6 +160,9 @@ _FLAGS = [
           "a duration such as 30s"),
     _Flag("metrics-port", "metrics_port", _port, "Prometheus /metrics HTTP port (0: off)", "a port number 0..65535"),
     _Flag("ram-bytes", "ram_bytes", parse_size, "RAM tier capacity", "a size such as 2GiB"),
+    _Flag("ram-recycle-bytes", "ram_recycle_bytes", parse_size,
+          "most bytes of dropped values' buffers (1MiB and larger) the RAM tier keeps to receive new values "
+          "into, counted within --ram-bytes and at most a quarter of it (0: off)", "a size such as 256MiB, or 0"),
     _Flag("disk-dir", "disk_dir", Path, "disk tier directory (default ~/.cache/kvtier/tier)", "a directory path"),
     _Flag("disk-bytes", "disk_bytes", parse_size, "disk tier capacity (0: no disk tier)", "a size such as 20GiB, or 0"),
     _Flag("disk-fsync", "disk_fsync", _bool, "fsync each disk write (survives power loss; slower)", "true or false"),

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.metrics import ServerMetrics
+from kvtier.cacheserver.ram import RamTier
 from kvtier.cacheserver.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,14 @@ class TieredStore:
 
     def write_behind_depth(self) -> int:
         return sum(len(wb.pending) for wb in self._behind.values())
+
+    def receive_buffer(self, size: int) -> bytearray:
+        """A buffer to receive a value of ``size`` bytes into: recycled by the RAM tier if it can.
+
+        Fill it whole before ``put``: a recycled buffer still holds an old value's bytes.
+        """
+        top = self.tiers[0]
+        return top.receive_buffer(size) if isinstance(top, RamTier) else bytearray(size)
 
     # -- operations ---------------------------------------------------------------
 
