@@ -1,11 +1,13 @@
 """Benchmark: kvtier's chunk keys against vLLM's own block hashes, same prompt, one run.
 
 The prompt: 32,768 token ids with four 1,024-token images (Qwen2-VL placeholders,
-64-hex identifiers). kvtier hashes it into 128 chunks of 256 tokens; vLLM into
-blocks of the same block size (16) with its default sha256, and, for the same
-granularity, into 256-token blocks. Every row starts from a Python list of token ids
-and computes the whole chain, nothing reused. Only ratios within one run mean
-anything on a shared machine.
+64-hex identifiers). kvtier hashes it into 128 chunks of 256 tokens, with its C
+helper (kvtier.connector._keyhash) and with the pure-Python code that replaces it
+where it is not built; vLLM into blocks of the same block size (16) with its default
+sha256 and its xxhash option, and, for the same granularity, into 256-token blocks.
+Every row starts from a Python list of token ids (as vLLM holds them) unless it says
+"packed", and computes the whole chain, nothing reused. Only ratios within one run
+mean anything on a shared machine.
 
 Run: ``.venv/bin/python -m bench.keys`` (results: docs/benchmarks.md, "Keys").
 """
@@ -20,6 +22,7 @@ from array import array
 from collections.abc import Callable
 from functools import partial
 
+from kvtier.connector import keys
 from kvtier.connector.keys import KeySpec, MMItem, chunk_keys
 
 PROMPT_TOKENS = 32_768
@@ -52,14 +55,30 @@ def measure(rows: list[tuple[str, Callable[[], object]]], repeat: int) -> list[l
     return times
 
 
-def vllm_hasher(tokens: list[int], items: list[MMItem], block_size: int) -> Callable[[], object]:
+def pure_python(run: Callable[[], object]) -> Callable[[], object]:
+    """``run`` without the C helper, as on a machine where it is not built."""
+
+    def without_helper() -> object:
+        helper, keys._keyhash = keys._keyhash, None
+        try:
+            return run()
+        finally:
+            keys._keyhash = helper
+
+    return without_helper
+
+
+def vllm_hasher(
+    tokens: list[int], items: list[MMItem], block_size: int, algo: str
+) -> Callable[[], object]:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    init_none_hash(sha256)
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
     features = [
         MultiModalFeatureSpec(
             data=None,
@@ -70,7 +89,7 @@ def vllm_hasher(tokens: list[int], items: list[MMItem], block_size: int) -> Call
         )
         for item in items
     ]
-    hasher = get_request_block_hasher(block_size, sha256)
+    hasher = get_request_block_hasher(block_size, hash_fn)
     request = Request("bench", tokens, SamplingParams(), None, mm_features=features)
     return lambda: hasher(request)  # every block: the request holds no block hashes yet
 
@@ -81,25 +100,35 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
     args = parser.parse_args()
 
+    if keys._keyhash is None:
+        parser.error("kvtier.connector._keyhash is not built: run scripts/setup")
     tokens, items = make_prompt()
     packed = array("I", tokens)
     rows: list[tuple[str, Callable[[], object]]] = []
     for algo in ("sha256", "xxh3_128"):
         spec = KeySpec("bench/model", block_size=BLOCK_SIZE, hash_algo=algo)
+        run = partial(chunk_keys, tokens, items, spec)
         rows += [
-            (f"kvtier chunk_keys, {algo}", partial(chunk_keys, tokens, items, spec)),
+            (f"kvtier chunk_keys, {algo}", run),
             (
                 f"kvtier chunk_keys, {algo}, tokens given packed",
                 partial(chunk_keys, packed, items, spec),
             ),
+            (f"kvtier chunk_keys, {algo}, pure Python", pure_python(run)),
         ]
-    rows.append(
-        ("packing the token list alone (array.fromlist)", lambda: array("I").fromlist(tokens))
-    )
+    rows += [
+        ("packing the token list alone (C helper)", partial(keys._keyhash.pack_u32, tokens)),
+        ("packing the token list alone (array.fromlist)", lambda: array("I").fromlist(tokens)),
+    ]
     if not args.no_vllm:
-        for block_size in (BLOCK_SIZE, 256):
-            name = f"vLLM block hasher, sha256, block {block_size}"
-            rows.append((name, vllm_hasher(tokens, items, block_size)))
+        for algo, block_size in (
+            ("sha256", BLOCK_SIZE),
+            ("sha256", 256),
+            ("xxhash", BLOCK_SIZE),
+            ("xxhash", 256),
+        ):
+            name = f"vLLM block hasher, {algo}, block {block_size}"
+            rows.append((name, vllm_hasher(tokens, items, block_size, algo)))
     times = measure(rows, args.repeat)
     baseline = statistics.median(times[0])
     print(

@@ -21,6 +21,10 @@ SHAKE-256 of its full identifier: the first 32 bytes are the item digest, the ne
 take a placeholder's value). Nothing here depends on ``hash()``, the process or the
 machine's byte order.
 
+The two hot loops, packing token ids and hashing the chunks, run in a small optional C
+helper (``_keyhash``, connector/_keyhash.c) where pip could build it; the pure-Python
+code here computes the same bytes without it (the tests run both).
+
 This module imports neither vLLM nor torch: routers and tools can compute keys too.
 """
 
@@ -40,7 +44,15 @@ import xxhash
 from kvtier.connector.errors import ConfigError
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from typing_extensions import Buffer
+
+_keyhash: ModuleType | None
+try:  # the C helper (connector/_keyhash.c), built by pip when a compiler is at hand
+    from kvtier.connector import _keyhash
+except ImportError:  # pragma: no cover - depends on the build
+    _keyhash = None
 
 __all__ = [
     "FINGERPRINT_SIZE",
@@ -197,7 +209,7 @@ class KeyChain:
     Tokens that do not fill a chunk wait in the chain until they do.
     """
 
-    __slots__ = ("_base", "_chunk_size", "_items", "_keys", "_parent", "_tail")
+    __slots__ = ("_algo", "_base", "_chunk_size", "_items", "_keys", "_parent", "_prefix", "_tail")
 
     def __init__(
         self,
@@ -216,18 +228,23 @@ class KeyChain:
                     f"multimodal items overlap: tokens [{before.offset}, {before.end}) "
                     f"and [{after.offset}, {after.end})"
                 )
-        base = _pinned_hasher(spec).copy()
-        base.update(
+        request = (
             _field("cache_salt", cache_salt or "")
             + _field("lora_name", lora_name or "")
             + _field("lora_path", lora_path or "")
         )
-        self._base = base
+        self._algo = spec.hash_algo
+        self._prefix = _pinned_fields(spec) + request
+        self._base: _Hasher | None = None
+        if _keyhash is None:
+            self._base = _pinned_hasher(spec).copy()
+            self._base.update(request)
         self._chunk_size = spec.chunk_size
         self._items = items
         self._keys: list[bytes] = []
         self._parent = b""
-        self._tail: array[int] = array(_U32)
+        self._tail = bytearray()
+        """Tokens not yet in a full chunk, as native u32."""
 
     @property
     def keys(self) -> tuple[bytes, ...]:
@@ -237,7 +254,7 @@ class KeyChain:
     @property
     def num_tokens(self) -> int:
         """Tokens given to ``extend`` so far (including the partial tail)."""
-        return len(self._keys) * self._chunk_size + len(self._tail)
+        return len(self._keys) * self._chunk_size + len(self._tail) // 4
 
     def extend(self, token_ids: Sequence[int]) -> list[bytes]:
         """Append ``token_ids``; return the keys of the chunks this completed.
@@ -246,20 +263,23 @@ class KeyChain:
         the fastest (no conversion). Raises ``ValueError`` (and appends nothing) if a
         token id is not in ``[0, 2**32)``.
         """
+        if self._tail:
+            self._tail += _packed(token_ids)
+        else:
+            self._tail = _packed(token_ids)  # the usual case: no copy
         buf = self._tail
-        _append_tokens(buf, token_ids)
         size = self._chunk_size
         first = len(self._keys)
-        count = len(buf) // size
+        count = len(buf) // (4 * size)
         if not count:
             return []
         extras = self._apply_items(buf, first, count) if self._items else {}
         new_keys = self._hash_chunks(buf, first, count, extras)
-        del buf[: count * size]
+        del buf[: count * size * 4]
         self._keys += new_keys
         return new_keys
 
-    def _apply_items(self, buf: array[int], first: int, count: int) -> dict[int, bytes]:
+    def _apply_items(self, buf: bytearray, first: int, count: int) -> dict[int, bytes]:
         """Overwrite placeholder spans in ``buf`` (which starts at chunk ``first``).
 
         Returns the items field of each of the ``count`` chunks about to be hashed that
@@ -267,7 +287,7 @@ class KeyChain:
         """
         size = self._chunk_size
         start = first * size
-        stop = start + len(buf)
+        stop = start + len(buf) // 4
         hashed_stop = start + count * size
         entries: dict[int, list[bytes]] = {}
         for item in self._items:
@@ -277,7 +297,7 @@ class KeyChain:
                 break
             lo, hi = max(item.offset, start), min(item.end, stop)
             digest, fill = _item_material(item.identifier, item.length)
-            buf[lo - start : hi - start] = fill[lo - item.offset : hi - item.offset]
+            buf[(lo - start) * 4 : (hi - start) * 4] = fill[lo - item.offset : hi - item.offset]
             for chunk in range(lo // size, (min(hi, hashed_stop) - 1) // size + 1):
                 relative = (item.offset - chunk * size).to_bytes(8, "little", signed=True)
                 entries.setdefault(chunk, []).append(digest + relative)
@@ -287,22 +307,32 @@ class KeyChain:
         }
 
     def _hash_chunks(
-        self, buf: array[int], first: int, count: int, extras: dict[int, bytes]
+        self, buf: bytearray, first: int, count: int, extras: dict[int, bytes]
     ) -> list[bytes]:
-        if _BIG_ENDIAN:
-            buf = array(_U32, buf)
-            buf.byteswap()
         step = self._chunk_size * 4
+        data: Buffer = buf
+        if _BIG_ENDIAN:
+            swapped = array(_U32, buf[: count * step])
+            swapped.byteswap()
+            data = swapped
+        if _keyhash is not None:  # the same bytes, hashed in one C loop
+            with memoryview(data) as view, view.cast("B") as raw, raw[: count * step] as whole:
+                keys: list[bytes] = _keyhash.chain(
+                    self._algo, self._prefix, self._parent, whole, step, first, extras
+                )
+            self._parent = keys[-1]
+            return keys
+        assert self._base is not None
         copy, get = self._base.copy, extras.get
         parent = self._parent
         tag = bytes((len(parent),))  # the parent field: u8 length + the parent key
         key_tag = bytes((self._base.digest_size,))
-        keys: list[bytes] = []
-        with memoryview(buf) as view, view.cast("B") as data:
+        keys = []
+        with memoryview(data) as view, view.cast("B") as raw:
             for index, pos in enumerate(range(0, count * step, step), first):
                 hasher = copy()
                 hasher.update(tag + parent + get(index, _NO_ITEMS))
-                hasher.update(data[pos : pos + step])
+                hasher.update(raw[pos : pos + step])
                 parent = hasher.digest()
                 keys.append(parent)
                 tag = key_tag
@@ -339,7 +369,7 @@ def pack_token_ids(token_ids: Sequence[int]) -> array[int]:
     Raises ``ValueError`` if a token id is not in ``[0, 2**32)``.
     """
     packed: array[int] = array(_U32)
-    _append_tokens(packed, token_ids)
+    packed.frombytes(_packed(token_ids))
     return packed
 
 
@@ -354,28 +384,32 @@ def key_fingerprint(key: bytes) -> bytes:
 def _pinned_hasher(spec: KeySpec) -> _Hasher:
     """A hasher already fed the pinned fields of ``spec``; every key starts from a copy."""
     hasher = _new_hasher(spec.hash_algo)
-    hasher.update(
-        b"".join(
-            _field(name, str(value))
-            for name, value in (
-                ("kvtier", "chunk-key"),
-                ("key_schema_version", KEY_SCHEMA_VERSION),
-                ("model_id", spec.model_id),
-                ("model_revision", spec.model_revision),
-                ("kv_dtype", spec.kv_dtype),
-                ("kv_layout", spec.kv_layout),
-                ("block_size", spec.block_size),
-                ("chunk_size", spec.chunk_size),
-                ("tp_rank", spec.tp_rank),
-                ("tp_world_size", spec.tp_world_size),
-                ("pp_rank", spec.pp_rank),
-                ("pp_world_size", spec.pp_world_size),
-                ("hash_algo", spec.hash_algo),
-                ("salt", spec.salt),
-            )
+    hasher.update(_pinned_fields(spec))
+    return hasher
+
+
+@lru_cache(maxsize=64)
+def _pinned_fields(spec: KeySpec) -> bytes:
+    """The pinned fields of ``spec``, encoded: the start of every key's hashed bytes."""
+    return b"".join(
+        _field(name, str(value))
+        for name, value in (
+            ("kvtier", "chunk-key"),
+            ("key_schema_version", KEY_SCHEMA_VERSION),
+            ("model_id", spec.model_id),
+            ("model_revision", spec.model_revision),
+            ("kv_dtype", spec.kv_dtype),
+            ("kv_layout", spec.kv_layout),
+            ("block_size", spec.block_size),
+            ("chunk_size", spec.chunk_size),
+            ("tp_rank", spec.tp_rank),
+            ("tp_world_size", spec.tp_world_size),
+            ("pp_rank", spec.pp_rank),
+            ("pp_world_size", spec.pp_world_size),
+            ("hash_algo", spec.hash_algo),
+            ("salt", spec.salt),
         )
     )
-    return hasher
 
 
 @lru_cache(maxsize=512)
@@ -395,18 +429,17 @@ def _item_material(identifier: str, length: int) -> tuple[bytes, array[int]]:
     return material[:_ITEM_DIGEST_SIZE], fill
 
 
-def _append_tokens(buf: array[int], token_ids: Sequence[int]) -> None:
-    """Append to ``buf``, or raise ``ValueError`` and leave it as it was."""
-    kept = len(buf)
+def _packed(token_ids: Sequence[int]) -> bytearray:
+    """``token_ids`` as native u32 bytes; ``ValueError`` if one is not in ``[0, 2**32)``."""
+    if isinstance(token_ids, array) and token_ids.typecode == _U32:
+        return bytearray(token_ids)  # a memcpy
     try:
-        if isinstance(token_ids, array) and token_ids.typecode == _U32:
-            buf.extend(token_ids)  # a memcpy
-        elif isinstance(token_ids, list):
-            buf.fromlist(token_ids)  # the fastest conversion of ints the stdlib has
-        else:
-            buf.fromlist(list(token_ids))
+        if _keyhash is not None:
+            packed: bytearray = _keyhash.pack_u32(token_ids)  # ~3x faster than fromlist
+            return packed
+        # array.fromlist: the fastest conversion of ints the standard library has
+        return bytearray(array(_U32, token_ids if isinstance(token_ids, list) else list(token_ids)))
     except (OverflowError, TypeError) as exc:
-        del buf[kept:]
         raise ValueError("token_ids must be ints in [0, 2**32)") from exc
 
 

@@ -1,8 +1,8 @@
 """The keys harness (bench/keys.py) runs through ``kvtier bench keys``.
 
-A smoke test, not a speed test: one round of every row (kvtier's chunk keys and
-vLLM's own block hasher on the same 32k-token prompt with images) lands in a
-well-formed table. No time is asserted.
+A smoke test, not a speed test: one round of every row (kvtier's chunk keys with
+and without its C helper, and vLLM's own block hasher with sha256 and xxhash, on the
+same 32k-token prompt with images) lands in a well-formed table. No time is asserted.
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 ROWS = [
     "kvtier chunk_keys, sha256",
     "kvtier chunk_keys, sha256, tokens given packed",
+    "kvtier chunk_keys, sha256, pure Python",
     "kvtier chunk_keys, xxh3_128",
     "kvtier chunk_keys, xxh3_128, tokens given packed",
+    "kvtier chunk_keys, xxh3_128, pure Python",
+    "packing the token list alone (C helper)",
     "packing the token list alone (array.fromlist)",
     "vLLM block hasher, sha256, block 16",
     "vLLM block hasher, sha256, block 256",
+    "vLLM block hasher, xxhash, block 16",
+    "vLLM block hasher, xxhash, block 256",
 ]
 
 

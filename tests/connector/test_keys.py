@@ -3,11 +3,15 @@
 ``key_vectors.json`` pins the scheme. After an intended change to it, bump
 ``KEY_SCHEMA_VERSION`` and rewrite the vectors with
 ``.venv/bin/python -m tests.connector.test_keys --write-vectors``.
+
+Every test runs twice: with the C helper (``kvtier.connector._keyhash``) and with the
+pure-Python code that replaces it where it is not built.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import pickle
@@ -15,6 +19,7 @@ import struct
 import subprocess
 import sys
 from array import array
+from collections.abc import Iterator
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -25,6 +30,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.connector import keys as keys_module
 from kvtier.connector.errors import ConfigError
 from kvtier.connector.keys import (
     HASH_ALGOS,
@@ -41,6 +47,16 @@ VECTORS = Path(__file__).with_name("key_vectors.json")
 PLACEHOLDER = 151655  # Qwen2-VL's <|image_pad|>: the same id for every image
 IMAGE_A = "a3" * 32
 IMAGE_B = "b7" * 32
+
+
+@pytest.fixture(scope="module", autouse=True, params=["c", "python"])
+def implementation(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The module's tests with the C helper, then with the pure-Python code."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "python":
+            patch.setattr(keys_module, "_keyhash", None)
+        yield request.param
+
 
 token_lists = st.lists(st.integers(0, 2**17), max_size=120)
 identifiers = st.one_of(
@@ -279,6 +295,41 @@ def test_a_list_a_tuple_and_an_array_of_token_ids_give_the_same_keys() -> None:
     assert chunk_keys(array("I", tokens), [], spec) == keys
     assert chunk_keys(array("q", tokens), [], spec) == keys
     assert chunk_keys(pack_token_ids(tokens), [], spec) == keys
+
+
+def test_token_ids_may_be_any_ints_an_array_of_u32_accepts() -> None:
+    class TokenId:
+        def __index__(self) -> int:
+            return 7
+
+    spec = KeySpec("tiny", block_size=4, chunk_size=8)
+    given_ids: list[Any] = [TokenId(), True, 2**30, 2**31 + 5]
+    assert chunk_keys(given_ids * 2, [], spec) == chunk_keys([7, 1, 2**30, 2**31 + 5] * 2, [], spec)
+
+
+@pytest.mark.parametrize("bad", [1.5, "7", None, 2**64])
+def test_a_token_id_that_is_not_a_u32_int_is_rejected(bad: Any) -> None:
+    with pytest.raises(ValueError, match="token_ids"):
+        chunk_keys([1, bad] * 4, [], KeySpec("tiny", block_size=4, chunk_size=8))
+
+
+def test_the_c_helper_is_built() -> None:
+    """scripts/setup builds it (gcc, Python headers, libssl-dev, libxxhash-dev): without
+    it keys are the same bytes, computed about twice as slowly."""
+    helper = importlib.import_module("kvtier.connector._keyhash")
+    assert helper.pack_u32([1, 2**32 - 1]) == array("I", [1, 2**32 - 1]).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("algo", "data", "chunk_bytes", "error"),
+    [("md5", b"", 4, "algo must be"), ("sha256", b"12345", 4, "whole chunks")],
+)
+def test_the_c_helper_refuses_what_keys_never_asks(
+    algo: str, data: bytes, chunk_bytes: int, error: str
+) -> None:
+    helper = importlib.import_module("kvtier.connector._keyhash")
+    with pytest.raises(ValueError, match=error):
+        helper.chain(algo, b"", b"", data, chunk_bytes, 0, {})
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
@@ -545,8 +596,30 @@ def vector_inputs() -> list[dict[str, Any]]:
     ]
 
 
+def unbumped_changes(committed: dict[str, Any], vectors: list[dict[str, Any]]) -> list[str]:
+    """Names of vectors whose keys changed while KEY_SCHEMA_VERSION stayed the same."""
+    if committed["key_schema_version"] != KEY_SCHEMA_VERSION:
+        return []
+    before = {vector["name"]: vector["keys"] for vector in committed["vectors"]}
+    return [v["name"] for v in vectors if v["name"] in before and before[v["name"]] != v["keys"]]
+
+
+def test_rewriting_vectors_whose_keys_changed_needs_a_version_bump() -> None:
+    committed = json.loads(VECTORS.read_text())
+    changed = [{**committed["vectors"][0], "keys": ["00" * 32]}, *committed["vectors"][1:]]
+    assert unbumped_changes(committed, changed) == [committed["vectors"][0]["name"]]
+    assert unbumped_changes(committed, committed["vectors"]) == []
+    assert unbumped_changes({**committed, "key_schema_version": -1}, changed) == []
+
+
 def write_vectors() -> None:
     vectors = [{**vector, "keys": vector_keys(vector)} for vector in vector_inputs()]
+    changed = unbumped_changes(json.loads(VECTORS.read_text()), vectors)
+    if changed:
+        sys.exit(
+            f"the keys of {', '.join(map(repr, changed))} changed but KEY_SCHEMA_VERSION is "
+            f"still {KEY_SCHEMA_VERSION}: bump it in connector/keys.py first (old entries must miss)"
+        )
     lines = ",\n".join(json.dumps(vector) for vector in vectors)
     VECTORS.write_text(
         f'{{"key_schema_version": {KEY_SCHEMA_VERSION}, "vectors": [\n{lines}\n]}}\n'
