@@ -169,6 +169,30 @@ class ConnectorConfig:
             )
 
 
+def check_item_identifiers(vllm_config: Any, connector: str) -> None:
+    """Refuse an engine whose multimodal items are named per request, not by content.
+
+    kvtier keys an image (or audio clip) by vLLM's item identifier. vLLM hashes the
+    item's content into that identifier unless both its prefix cache and its
+    multimodal processor cache are off; then it names the item after the request
+    (``renderer0-mm-7-image-0``, a counter that restarts with every process): the
+    same image would never hit, and the first image of two engines would share a name
+    (a wrong hit). Text-only models are not affected."""
+    model = vllm_config.model_config
+    mm_config = getattr(model, "multimodal_config", None)
+    if mm_config is None or getattr(model, "is_encoder_decoder", False):
+        return
+    if mm_config.mm_processor_cache_gb == 0 and not vllm_config.cache_config.enable_prefix_caching:
+        raise ConfigError(
+            f"{connector} keys multimodal items by vLLM's item identifiers, and with both "
+            "the prefix cache and the multimodal processor cache off (enable_prefix_caching="
+            "False, mm_processor_cache_gb=0) vLLM names items per request instead of by "
+            "content: the same image would never hit and different images could share a "
+            "name. Set --mm-processor-cache-gb to a value > 0 (vLLM's default is 4) or "
+            "enable the prefix cache (--enable-prefix-caching)"
+        )
+
+
 def read_token_file(path: str) -> str:
     """The bearer token in ``path`` (whitespace stripped); ``ConfigError`` naming
     ``auth_token_file`` when the file is missing, unreadable or empty."""

@@ -52,7 +52,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 from kvtier.connector import ec_metrics, metrics
 from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.client import TierClient
-from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.config import ConnectorConfig, check_item_identifiers
 from kvtier.connector.ec_config import key_spec, parse_config
 from kvtier.connector.ec_scheduler import ECStepPlan, KvtierECScheduler
 from kvtier.connector.ec_worker import KvtierECWorker
@@ -138,6 +138,7 @@ class KvtierECConnector(ECConnectorBase):
                 f"{vllm_config.model_config.model} is an encoder-decoder model: remove "
                 "--ec-transfer-config (or set the recipe's cache.encoderCache to false)"
             )
+        check_item_identifiers(vllm_config, "KvtierECConnector")
         self._recorder = ec_metrics.recorder()
         self._breaker = CircuitBreaker(
             config.breaker_failures,

@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvtier.connector import metrics
 from kvtier.connector.breaker import BreakerState, CircuitBreaker
 from kvtier.connector.client import TierClient
-from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.config import ConnectorConfig, check_item_identifiers
 from kvtier.connector.errors import ConfigError, TierError
 from kvtier.connector.keys import KeySpec
 from kvtier.connector.metadata import StepPlan
@@ -289,6 +289,7 @@ def _key_specs(config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) 
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError("kvtier does not support pipeline parallelism yet")
     config.check_block_size(spec.block_size)
+    check_item_identifiers(vllm_config, "KvtierConnector")
     model = vllm_config.model_config
     layout = (
         f"{current_platform.device_type}:layers={len(groups[0].layer_names)}"

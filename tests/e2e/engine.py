@@ -57,9 +57,11 @@ class EngineProcess:
         ec_extra_config: dict[str, Any] | None = None,
         ec_role: str = "ec_both",
         limit_mm_per_prompt: dict[str, int] | None = None,
+        llm_kwargs: dict[str, Any] | None = None,
     ) -> EngineProcess:
         """``ec_extra_config``: also (or only) the encoder-cache connector
-        (``kvtier.connector.ec``) with this ``ec_connector_extra_config``."""
+        (``kvtier.connector.ec``) with this ``ec_connector_extra_config``.
+        ``llm_kwargs``: more (or other) arguments for vLLM's ``LLM`` (engine args)."""
         work_dir.mkdir(parents=True, exist_ok=True)
         spec = {
             "model": str(model),
@@ -69,6 +71,7 @@ class EngineProcess:
             "ec_extra_config": ec_extra_config,
             "ec_role": ec_role,
             "limit_mm_per_prompt": limit_mm_per_prompt,
+            "llm_kwargs": llm_kwargs or {},
         }
         env = {
             **os.environ,
@@ -309,6 +312,7 @@ def _serve(spec: dict[str, Any]) -> None:
     }
     if spec["multimodal"]:
         kwargs["limit_mm_per_prompt"] = spec.get("limit_mm_per_prompt") or {"image": 2, "video": 0}
+    kwargs.update(spec.get("llm_kwargs") or {})
     if spec.get("ec_extra_config") is not None:
         from vllm.config import ECTransferConfig
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import RELAXED
-from tests.e2e.engine import EngineProcess
+from tests.e2e.engine import EngineError, EngineProcess
 from tests.tierproc import TierProcess
 from tests.tinymodels import prompt_text
 
@@ -111,3 +111,43 @@ def test_two_images_in_one_prompt(engines) -> None:
     assert same.token_ids == expected
     assert other_second.num_cached_tokens == 2 * CHUNK  # up to the chunk of the second image
     assert other_second.token_ids == reference(b, prompt, [image(3), image(5)])
+
+
+# vLLM names an image after its request (not its content) when both its prefix cache and
+# its multimodal processor cache are off: the connector refuses that engine at start.
+PER_REQUEST_NAMES = {"enable_prefix_caching": False, "mm_processor_cache_gb": 0}
+
+
+def test_engine_naming_images_per_request_is_refused_with_the_flag_to_set(
+    vl_model: Path, module_tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> None:
+    config = {"target": module_tier.target, "chunk_size": CHUNK, **RELAXED}
+
+    with pytest.raises(EngineError) as refused:
+        start_engine(
+            vl_model, name="unhashed", extra_config=config, multimodal=True,
+            llm_kwargs=PER_REQUEST_NAMES,
+        )  # fmt: skip
+
+    message = str(refused.value)
+    assert "KvtierConnector keys multimodal items by vLLM's item identifiers" in message
+    assert "--mm-processor-cache-gb" in message
+    assert "--enable-prefix-caching" in message
+
+
+def test_engine_with_prefix_cache_and_no_processor_cache_hits_images_saved_by_another(
+    engines, vl_model: Path, module_tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> None:
+    # Content-hashed names need only one of the two caches: the prefix cache here.
+    prompt = chat(prompt_text(90, seed=27), IMAGE, prompt_text(300, seed=28))
+    expected = saved_by_a(engines, prompt, [image(6)])
+    config = {"target": module_tier.target, "chunk_size": CHUNK, **RELAXED}
+    c = start_engine(
+        vl_model, name="c", extra_config=config, multimodal=True,
+        llm_kwargs={"enable_prefix_caching": True, "mm_processor_cache_gb": 0},
+    )  # fmt: skip
+
+    (out,) = c.generate([{"prompt": prompt, "images": [image(6)]}])
+
+    assert out.num_cached_tokens == out.num_prompt_tokens // CHUNK * CHUNK > 0
+    assert out.token_ids == expected

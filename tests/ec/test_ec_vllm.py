@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import EngineProcess
+from tests.e2e.engine import EngineError, EngineProcess
 from tests.ec.conftest import IMAGE, RELAXED, chat, image
 from tests.tierproc import TierProcess
 from tests.tinymodels import prompt_text
@@ -90,3 +90,20 @@ def test_a_request_with_another_cache_salt_does_not_load_the_entry(
     assert b.encoder_calls() > calls
     assert b.ec_stats().get("hits", 0) == hits
     assert out.token_ids == expected
+
+
+def test_engine_naming_images_per_request_is_refused_with_the_flag_to_set(
+    vl_model: Path, module_tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> None:
+    # Both vLLM caches off: vLLM names an image after its request, not its content.
+    config = {"target": module_tier.target, **RELAXED}
+
+    with pytest.raises(EngineError) as refused:
+        start_engine(
+            vl_model, name="unhashed", ec_extra_config=config, multimodal=True,
+            llm_kwargs={"enable_prefix_caching": False, "mm_processor_cache_gb": 0},
+        )  # fmt: skip
+
+    message = str(refused.value)
+    assert "KvtierECConnector keys multimodal items by vLLM's item identifiers" in message
+    assert "--mm-processor-cache-gb" in message
