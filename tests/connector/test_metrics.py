@@ -78,3 +78,28 @@ def test_without_a_gauge_class_no_gauge_is_created() -> None:
     prom.observe({"gauges": {"breaker_open": 1}}, ["m"])
     assert "kvtier_connector_breaker_open " not in scrape(registry)
     assert "kvtier_connector_breaker_open{" not in scrape(registry)
+
+
+def test_every_connector_series_and_its_label_is_documented() -> None:
+    """docs/observability.md has a row per series (KV and encoder cache) naming its label,
+    and every verification-failure reason."""
+    from pathlib import Path
+
+    from kvtier.connector import ec_metrics
+    from kvtier.connector.errors import CHUNK_ERROR_REASONS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    rows = {line.split("`")[1]: line for line in doc.splitlines() if line.startswith("| `kvtier_")}
+    expected: dict[str, str | None] = {}
+    for prefix, counters, histograms, gauges in (
+        (metrics.PREFIX, metrics.COUNTERS, metrics.HISTOGRAMS, metrics.GAUGES),
+        (ec_metrics.PREFIX, ec_metrics.COUNTERS, ec_metrics.HISTOGRAMS, {}),
+    ):
+        expected |= {f"{prefix}{name}_total": label for name, (_, label) in counters.items()}
+        expected |= {prefix + name: None for name in (*histograms, *gauges)}
+    assert sorted(set(expected) - set(rows)) == []
+    for name, label in expected.items():
+        cells = rows[name].split("|")
+        assert (f"`{label}`" in cells[3]) if label else not cells[3].strip(), name
+    reasons = rows["kvtier_connector_corrupt_chunks_total"]
+    assert [r for r in CHUNK_ERROR_REASONS if r not in reasons] == []
