@@ -14,6 +14,9 @@ Every child has the parent as its controlling owner (deleting the parent
 garbage-collects it) and the labels of ``labels()``. Pods meet the Pod Security
 "restricted" profile with read-only root filesystems.
 
+Secrets are mounted key by key: an engine gets its tenant's token from the tier's
+auth Secret, and only ``ca.crt`` from the tier's TLS Secret (never its private key).
+
 Contracts (tests/operator/test_contracts.py runs them through the real parsers):
 the tier's ConfigMap holds ``kvtier server`` flags as ``KVTIER_<FLAG>`` env vars;
 the kv/ec-transfer configs' extra config is ``kvtier.connector.config.ConnectorConfig``.
@@ -32,11 +35,15 @@ from kvtier.operator.quantity import format_mebibytes
 from kvtier.operator.spec import (
     API_VERSION,
     GPU_RESOURCE,
+    TLS_CA_KEY,
+    TLS_CERT_KEY,
+    TLS_KEY_KEY,
     CacheTier,
     ModelRecipe,
     Owner,
     Resources,
     SecretKeyRef,
+    TierSpec,
 )
 
 Obj = dict[str, Any]
@@ -49,6 +56,8 @@ DISK_DIR = "/var/lib/kvtier"
 TENANTS_DIR = "/etc/kvtier/tenants"  # the tier's auth Secret, one file per tenant
 AUTH_DIR = "/etc/kvtier/auth"  # an engine's tenant token
 AUTH_FILE = f"{AUTH_DIR}/token"
+TLS_DIR = "/etc/kvtier/tls"  # the tier's TLS Secret (engines: only its ca.crt)
+CLIENT_TLS_DIR = "/etc/kvtier/client-tls"  # an engine's client certificate (mutual TLS)
 TMP_DIR = "/tmp"
 TIER_UID = 65532  # the kvtier image's user (docker/Dockerfile.kvtier)
 ENGINE_UID = 1000  # any non-root uid: vLLM writes only to HOME, /tmp and /dev/shm
@@ -119,10 +128,9 @@ def cache_tier_children(
             "prometheus.io/port": str(METRICS_PORT),
             "prometheus.io/path": "/metrics",
         }
-    ports = [
-        {"name": "grpc", "containerPort": TIER_PORT, "protocol": "TCP"},
-        {"name": "data", "containerPort": DATA_PORT, "protocol": "TCP"},
-    ]
+    ports = [{"name": "grpc", "containerPort": TIER_PORT, "protocol": "TCP"}]
+    if spec.data_port:
+        ports.append({"name": "data", "containerPort": DATA_PORT, "protocol": "TCP"})
     if spec.metrics:
         ports.append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
     env: list[Obj] = []
@@ -137,14 +145,18 @@ def cache_tier_children(
         # The whole Secret: one file per tenant, updated in place when the Secret changes.
         mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
         volumes.append({"name": "tenants", "secret": {"secretName": spec.auth_secret}})
+    if spec.tls is not None:
+        keys = [TLS_CERT_KEY, TLS_KEY_KEY] + ([TLS_CA_KEY] if spec.tls.client_auth else [])
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append(_secret_volume("tls", spec.tls.secret, keys))
     container: Obj = {
         "name": "kvtier-server",
         "image": spec.image or default_image,
         "command": ["kvtier", "server"],
         "envFrom": [{"configMapRef": {"name": f"{owner.name}-settings"}}],
         "ports": ports,
-        "readinessProbe": _tier_probe(features, period=5, failures=3),
-        "livenessProbe": _tier_probe(features, period=10, failures=6),
+        "readinessProbe": _tier_probe(features, spec, period=5, failures=3),
+        "livenessProbe": _tier_probe(features, spec, period=10, failures=6),
         "resources": _tier_resources(spec.resources, spec.ram_bytes),
         "securityContext": container_security(),
         "volumeMounts": mounts,
@@ -179,13 +191,10 @@ def cache_tier_children(
             {"metadata": {"name": "data", "labels": pod_labels}, "spec": pvc_spec}
         ]
     service_ports: list[Obj] = [
-        {"name": "grpc", "port": TIER_PORT, "targetPort": "grpc", "protocol": "TCP"},
-        {"name": "data", "port": DATA_PORT, "targetPort": "data", "protocol": "TCP"},
-    ]
-    if spec.metrics:
-        service_ports.append(
-            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
-        )
+        {"name": port["name"], "port": port["containerPort"], "targetPort": port["name"],
+         "protocol": "TCP"}
+        for port in ports
+    ]  # fmt: skip
     return [
         _object("v1", "ConfigMap", f"{owner.name}-settings", owner, "cache-tier", data=settings),
         _object("apps/v1", "StatefulSet", owner.name, owner, "cache-tier", spec=statefulset_spec),
@@ -195,13 +204,16 @@ def cache_tier_children(
                 "clusterIP": "None",
                 "publishNotReadyAddresses": True,
                 "selector": selector(owner, "cache-tier"),
-                "ports": service_ports[:2],
+                "ports": [port for port in service_ports if port["name"] != "metrics"],
             },
         ),
         _object(
             "v1", "Service", owner.name, owner, "cache-tier",
             spec={
                 "type": "ClusterIP",
+                # Replicas are separate caches: every connection of one engine pod (gRPC and
+                # data port, reconnects too) reaches the same replica.
+                "sessionAffinity": "ClientIP",
                 "selector": selector(owner, "cache-tier"),
                 "ports": service_ports,
             },
@@ -215,7 +227,7 @@ def tier_settings(tier: CacheTier) -> dict[str, str]:
     settings = {
         "KVTIER_HOST": "0.0.0.0",
         "KVTIER_PORT": str(TIER_PORT),
-        "KVTIER_DATA_PORT": str(DATA_PORT),
+        "KVTIER_DATA_PORT": str(DATA_PORT if spec.data_port else 0),  # 0: off
         "KVTIER_METRICS_PORT": str(METRICS_PORT if spec.metrics else 0),  # 0: off
         "KVTIER_RAM_BYTES": str(spec.ram_bytes),
     }
@@ -228,6 +240,11 @@ def tier_settings(tier: CacheTier) -> dict[str, str]:
         settings["KVTIER_REDIS_URL"] = redis_url(spec.redis.url, cluster=spec.redis.cluster)
     if spec.auth_secret is not None:
         settings["KVTIER_AUTH_TOKENS"] = TENANTS_DIR
+    if spec.tls is not None:
+        settings["KVTIER_TLS_CERT_FILE"] = f"{TLS_DIR}/{TLS_CERT_KEY}"
+        settings["KVTIER_TLS_KEY_FILE"] = f"{TLS_DIR}/{TLS_KEY_KEY}"
+        if spec.tls.client_auth:
+            settings["KVTIER_TLS_CLIENT_CA_FILE"] = f"{TLS_DIR}/{TLS_CA_KEY}"
     return settings
 
 
@@ -239,16 +256,18 @@ def redis_url(url: str, *, cluster: bool) -> str:
     return f"{scheme}+cluster://{rest}"
 
 
-def model_recipe_children(recipe: ModelRecipe, tier_auth: str | None) -> list[Obj]:
+def model_recipe_children(recipe: ModelRecipe, tier: TierSpec | None) -> list[Obj]:
     """The desired ConfigMap, Deployment and Service (and inline CacheTier) of a ModelRecipe.
 
-    ``tier_auth`` names the tier's auth Secret: its key ``spec.cache.tenant`` is mounted
-    into the engines as their token.
+    ``tier`` is the spec of the recipe's CacheTier (None while it does not exist). With its
+    auth Secret, the Secret's key ``spec.cache.tenant`` is mounted into the engines as their
+    token; with its TLS Secret, only that Secret's ``ca.crt``, and the recipe's client
+    certificate (``spec.cache.clientCertSecretRef``).
     """
     owner = recipe.owner
-    config = {KV_TRANSFER_KEY: json.dumps(kv_transfer_config(recipe, tier_auth), sort_keys=True)}
+    config = {KV_TRANSFER_KEY: json.dumps(kv_transfer_config(recipe, tier), sort_keys=True)}
     if recipe.cache.encoder_cache:
-        config[EC_TRANSFER_KEY] = json.dumps(ec_transfer_config(recipe, tier_auth), sort_keys=True)
+        config[EC_TRANSFER_KEY] = json.dumps(ec_transfer_config(recipe, tier), sort_keys=True)
     config_name = f"{owner.name}-kvtier"
     env = [_config_env("KVTIER_KV_TRANSFER_CONFIG", config_name, KV_TRANSFER_KEY)]
     args = [
@@ -277,15 +296,24 @@ def model_recipe_children(recipe: ModelRecipe, tier_auth: str | None) -> list[Ob
         {"name": "home", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
     ]
-    if tier_auth is not None:
+    if tier is not None and tier.auth_secret is not None:
         mounts.append({"name": "kvtier-auth", "mountPath": AUTH_DIR, "readOnly": True})
-        volumes.append({
-            "name": "kvtier-auth",
-            "secret": {
-                "secretName": tier_auth,
-                "items": [{"key": recipe.cache.tenant, "path": "token"}],
-            },
-        })  # fmt: skip
+        volumes.append(
+            _secret_volume("kvtier-auth", tier.auth_secret, [recipe.cache.tenant], ["token"])
+        )
+    if tier is not None and tier.tls is not None:
+        mounts.append({"name": "kvtier-tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append(_secret_volume("kvtier-tls", tier.tls.secret, [TLS_CA_KEY]))
+        if recipe.cache.client_cert_secret is not None:
+            mounts.append(
+                {"name": "kvtier-client-tls", "mountPath": CLIENT_TLS_DIR, "readOnly": True}
+            )
+            volumes.append(
+                _secret_volume(
+                    "kvtier-client-tls", recipe.cache.client_cert_secret,
+                    [TLS_CERT_KEY, TLS_KEY_KEY],
+                )
+            )  # fmt: skip
     health = {"httpGet": {"path": "/health", "port": "http"}}
     container: Obj = {
         "name": "vllm",
@@ -348,27 +376,27 @@ def inline_cache_tier(recipe: ModelRecipe) -> Obj:
     )  # fmt: skip
 
 
-def kv_transfer_config(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
+def kv_transfer_config(recipe: ModelRecipe, tier: TierSpec | None) -> Obj:
     """vLLM's --kv-transfer-config for the kvtier connector."""
     return {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.connector.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": _connector_extra(recipe, tier_auth),
+        "kv_connector_extra_config": _connector_extra(recipe, tier),
     }
 
 
-def ec_transfer_config(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
+def ec_transfer_config(recipe: ModelRecipe, tier: TierSpec | None) -> Obj:
     """vLLM's --ec-transfer-config for the kvtier encoder-cache connector."""
     return {
         "ec_connector": "KvtierECConnector",
         "ec_connector_module_path": "kvtier.connector.ec",
         "ec_role": "ec_both",
-        "ec_connector_extra_config": _connector_extra(recipe, tier_auth),
+        "ec_connector_extra_config": _connector_extra(recipe, tier),
     }
 
 
-def _connector_extra(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
+def _connector_extra(recipe: ModelRecipe, tier: TierSpec | None) -> Obj:
     """The connector's settings (``kvtier.connector.config.ConnectorConfig``)."""
     policy = recipe.cache.salt_policy
     extra: Obj = {
@@ -380,8 +408,13 @@ def _connector_extra(recipe: ModelRecipe, tier_auth: str | None) -> Obj:
     }
     if policy == "namespace":
         extra["salt"] = recipe.owner.namespace
-    if tier_auth is not None:
+    if tier is not None and tier.auth_secret is not None:
         extra["auth_token_file"] = AUTH_FILE
+    if tier is not None and tier.tls is not None:
+        extra["tls_ca_file"] = f"{TLS_DIR}/{TLS_CA_KEY}"
+        if recipe.cache.client_cert_secret is not None:
+            extra["tls_cert_file"] = f"{CLIENT_TLS_DIR}/{TLS_CERT_KEY}"
+            extra["tls_key_file"] = f"{CLIENT_TLS_DIR}/{TLS_KEY_KEY}"
     return extra
 
 
@@ -401,11 +434,12 @@ def _object(
     }
 
 
-def _tier_probe(features: ClusterFeatures, *, period: int, failures: int) -> Obj:
-    # grpc.health.v1 on the gRPC port; a TCP check where the API server predates gRPC probes.
+def _tier_probe(features: ClusterFeatures, spec: TierSpec, *, period: int, failures: int) -> Obj:
+    # grpc.health.v1 on the gRPC port; a TCP check where the API server predates gRPC probes,
+    # or where the tier speaks TLS (the kubelet's gRPC probe speaks plaintext only).
     check: Obj = (
         {"grpc": {"port": TIER_PORT}}
-        if features.grpc_probes
+        if features.grpc_probes and spec.tls is None
         else {"tcpSocket": {"port": TIER_PORT}}
     )
     return {**check, "periodSeconds": period, "failureThreshold": failures}
@@ -456,6 +490,12 @@ def container_security() -> Obj:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def _secret_volume(name: str, secret: str, keys: list[str], paths: list[str] | None = None) -> Obj:
+    """A volume of only ``keys`` of ``secret`` (as files ``paths``, default the key names)."""
+    items = [{"key": key, "path": path} for key, path in zip(keys, paths or keys, strict=True)]
+    return {"name": name, "secret": {"secretName": secret, "items": items}}
 
 
 def _secret_env(name: str, ref: SecretKeyRef) -> Obj:

@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 GRPC_PROBES_SINCE = (1, 24)
 # Ready reasons that need the user to act: worth a warning event when they appear.
 USER_PROBLEMS = frozenset(
-    {"InvalidSpec", "ChildConflict", "TierNotFound", "SecretNotFound", "SecretKeyNotFound"}
-)
+    {
+        "InvalidSpec", "ChildConflict", "TierNotFound", "SecretNotFound", "SecretKeyNotFound",
+        "ClientCertificateRequired",
+    }
+)  # fmt: skip
 Reconcile = Callable[[Context, Mapping[str, Any]], Awaitable[dict[str, Any]]]
 
 

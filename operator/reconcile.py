@@ -30,6 +30,9 @@ from kvtier.operator.kube import Kind, KubeClient, kind_for, kind_of
 from kvtier.operator.spec import (
     API_VERSION,
     INLINE_TIER_SUFFIX,
+    TLS_CERT_KEY,
+    TLS_KEY_KEY,
+    ModelRecipe,
     Owner,
     TierSpec,
     parse_cache_tier,
@@ -95,18 +98,15 @@ async def reconcile_model_recipe(ctx: Context, body: Mapping[str, Any]) -> Obj:
         cache_tier = await ctx.client.get(CACHE_TIER, owner.namespace, recipe.tier_name)
     else:
         cache_tier = None  # applied below, with the other children
-    tier_auth = _tier_auth(recipe.inline_tier if cache_tier is None else cache_tier.get("spec"))
-    tenant_problem = (
-        None if tier_auth is None
-        else await _check_tenant(ctx.client, owner.namespace, tier_auth, recipe.cache.tenant)
-    )  # fmt: skip
+    tier = _tier_spec(recipe.inline_tier if cache_tier is None else cache_tier.get("spec"))
+    access_problem = None if tier is None else await _check_access(ctx.client, recipe, tier)
     try:
-        applied = await apply_children(ctx.client, owner, model_recipe_children(recipe, tier_auth))
+        applied = await apply_children(ctx.client, owner, model_recipe_children(recipe, tier))
     except ChildConflict as exc:
         return _status(body, cond.failed(RECIPE_CONDITIONS, "ChildConflict", str(exc)), **facts)
     cache_tier = applied.get(("CacheTier", recipe.tier_name), cache_tier)
     deployment = applied[("Deployment", owner.name)]
-    tier_ready = tenant_problem or cond.tier_ready_for_recipe(recipe.tier_name, cache_tier)
+    tier_ready = access_problem or cond.tier_ready_for_recipe(recipe.tier_name, cache_tier)
     engine_ready = cond.engine_ready(deployment)
     desired, available, _ = cond.rollout(deployment, "availableReplicas")
     return _status(
@@ -200,19 +200,51 @@ async def _check_secrets(client: KubeClient, namespace: str, spec: TierSpec) -> 
     return None
 
 
-async def _check_tenant(
-    client: KubeClient, namespace: str, secret_name: str, tenant: str
+async def _check_access(
+    client: KubeClient, recipe: ModelRecipe, tier: TierSpec
 ) -> Condition | None:
-    """A ``TierReady`` failure when the tier's auth Secret has no token for the recipe's
-    tenant (the engine pods could not start: their token volume names that key)."""
-    secret = await client.get(SECRET, namespace, secret_name)
-    if secret is not None and tenant in _secret_keys(secret):
+    """A ``TierReady`` failure when the engines could not reach the tier: no token for the
+    recipe's tenant in the tier's auth Secret, or no client certificate for a tier that
+    requires one (the engine pods could not start, or the tier would refuse them)."""
+    namespace, cache = recipe.owner.namespace, recipe.cache
+    if tier.auth_secret is not None:
+        problem = await _check_keys(
+            client, namespace, tier.auth_secret, [cache.tenant], "spec.cache.tenant",
+            "the tier's auth Secret", "add the tenant's token under that key, or set "
+            "spec.cache.tenant to a tenant the Secret has",
+        )  # fmt: skip
+        if problem is not None:
+            return problem
+    if tier.tls is None:
         return None
-    what = "does not exist" if secret is None else f"has no key {tenant!r}"
+    if cache.client_cert_secret is None:
+        if not tier.tls.client_auth:
+            return None
+        return Condition(
+            "TierReady", cond.FALSE, "ClientCertificateRequired",
+            "spec.cache.clientCertSecretRef: the tier requires client certificates "
+            "(spec.tls.clientAuth); name a kubernetes.io/tls Secret whose certificate the "
+            "tier's ca.crt signed",
+        )  # fmt: skip
+    return await _check_keys(
+        client, namespace, cache.client_cert_secret, [TLS_CERT_KEY, TLS_KEY_KEY],
+        "spec.cache.clientCertSecretRef", "the client certificate Secret",
+        "it needs tls.crt and tls.key (a kubernetes.io/tls Secret)",
+    )  # fmt: skip
+
+
+async def _check_keys(
+    client: KubeClient, namespace: str, name: str, keys: Sequence[str], field: str,
+    what: str, hint: str,
+) -> Condition | None:  # fmt: skip
+    secret = await client.get(SECRET, namespace, name)
+    missing = [key for key in keys if secret is None or key not in _secret_keys(secret)]
+    if not missing:
+        return None
+    problem = "does not exist" if secret is None else f"has no key {missing[0]!r}"
     return Condition(
         "TierReady", cond.FALSE, "SecretNotFound" if secret is None else "SecretKeyNotFound",
-        f"spec.cache.tenant: the tier's auth Secret {secret_name!r} {what}; add the tenant's "
-        "token under that key, or set spec.cache.tenant to a tenant the Secret has",
+        f"{field}: {what} {name!r} {problem}; {hint}",
     )  # fmt: skip
 
 
@@ -220,11 +252,11 @@ def _secret_keys(secret: Mapping[str, Any]) -> set[str]:
     return set(secret.get("data") or {}) | set(secret.get("stringData") or {})
 
 
-def _tier_auth(tier_spec: Mapping[str, Any] | None) -> str | None:
+def _tier_spec(tier_spec: Mapping[str, Any] | None) -> TierSpec | None:
     if tier_spec is None:
         return None
     try:
-        return parse_tier_spec(tier_spec, "spec").auth_secret
+        return parse_tier_spec(tier_spec, "spec")
     except SpecError:
         return None  # the CacheTier reports its own invalid spec
 

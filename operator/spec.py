@@ -36,6 +36,7 @@ DEFAULT_DISK_SIZE = "20Gi"
 DEFAULT_REVISION = "main"
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_TENANT = "default"
+TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"  # kubernetes.io/tls + ca.crt
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")  # kvtier server's tenant names
 
 Body = Mapping[str, Any]
@@ -82,6 +83,14 @@ class Redis:
 
 
 @dataclass(frozen=True)
+class Tls:
+    """A tier's TLS: a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt."""
+
+    secret: str
+    client_auth: bool  # mutual TLS: clients need a certificate signed by ca.crt
+
+
+@dataclass(frozen=True)
 class TierSpec:
     """A CacheTier's spec (also ModelRecipe's spec.tier.inline)."""
 
@@ -93,13 +102,19 @@ class TierSpec:
     auth_secret: str | None  # a Secret with one key per tenant, its token as the value
     metrics: bool
     resources: Resources | None
+    tls: Tls | None = None
+    data_port: bool = True
 
     def secret_refs(self) -> list[tuple[str, SecretKeyRef]]:
         """The Secret keys the tier needs, with the field that names them (the auth Secret's
-        keys are its tenants: any number of them)."""
+        keys are its tenants: any number of them). The TLS Secret's ca.crt is needed even
+        without client auth: it is what the engines verify the tier with."""
         refs: list[tuple[str, SecretKeyRef]] = []
         if self.redis is not None and self.redis.password is not None:
             refs.append(("spec.redis.passwordSecretRef", self.redis.password))
+        if self.tls is not None:
+            for key in (TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY):
+                refs.append(("spec.tls.secretName", SecretKeyRef(self.tls.secret, key)))
         return refs
 
 
@@ -134,6 +149,7 @@ class Cache:
     salt_policy: str
     encoder_cache: bool
     tenant: str  # the key of the tier's auth Secret the engines authenticate with
+    client_cert_secret: str | None = None  # kubernetes.io/tls: presented to a TLS tier
 
 
 @dataclass(frozen=True)
@@ -215,9 +231,40 @@ def parse_tier_spec(spec: Body, path: str) -> TierSpec:
         ram_bytes=ram_bytes,
         disk=disk,
         redis=redis,
-        auth_secret=_auth_secret(spec, f"{path}.authSecretRef"),
+        auth_secret=_secret_name(spec, "authSecretRef", path),
         metrics=_bool(metrics, "enabled", f"{path}.metrics.enabled", default=True),
         resources=_resources(spec, f"{path}.resources"),
+        tls=_tls(spec, f"{path}.tls"),
+        data_port=_data_port(spec, replicas, shared=redis is not None, path=path),
+    )
+
+
+def _data_port(spec: Body, replicas: int, *, shared: bool, path: str) -> bool:
+    """Whether the tier serves its data port. Unset: on, except for several replicas without
+    Redis, where an engine's data-port and gRPC connections can reach different replicas
+    (separate caches: what one connection saved, the other would not find)."""
+    field = f"{path}.dataPort.enabled"
+    coherent = replicas == 1 or shared
+    if "enabled" not in _object(spec, "dataPort", f"{path}.dataPort", required=False):
+        return coherent
+    enabled = _bool(spec["dataPort"], "enabled", field, default=True)
+    if enabled and not coherent:
+        raise SpecError(
+            field,
+            f"with {replicas} replicas and no {path}.redis, an engine's data-port and gRPC "
+            "connections can reach different replicas, each a separate cache: set it to false "
+            "(or leave it unset), add a Redis, or run one replica",
+        )
+    return enabled
+
+
+def _tls(parent: Body, path: str) -> Tls | None:
+    if "tls" not in parent:
+        return None
+    spec = _object(parent, "tls", path)
+    return Tls(
+        secret=_str(spec, "secretName", f"{path}.secretName"),
+        client_auth=_bool(spec, "clientAuth", f"{path}.clientAuth", default=False),
     )
 
 
@@ -276,6 +323,7 @@ def _parse_cache(spec: Body) -> Cache:
         salt_policy=_choice(spec, "saltPolicy", "spec.cache.saltPolicy", SALT_POLICIES),
         encoder_cache=_bool(spec, "encoderCache", "spec.cache.encoderCache", default=False),
         tenant=_tenant(spec),
+        client_cert_secret=_secret_name(spec, "clientCertSecretRef", "spec.cache"),
     )
 
 
@@ -290,10 +338,11 @@ def _tenant(spec: Body) -> str:
     return tenant
 
 
-def _auth_secret(parent: Body, path: str) -> str | None:
-    if "authSecretRef" not in parent:
+def _secret_name(parent: Body, key: str, path: str) -> str | None:
+    """The name of a ``{key}: {name: ...}`` Secret reference, or None without one."""
+    if key not in parent:
         return None
-    return _str(_object(parent, "authSecretRef", path), "name", f"{path}.name")
+    return _str(_object(parent, key, f"{path}.{key}"), "name", f"{path}.{key}.name")
 
 
 def _owner(body: Body) -> Owner:

@@ -364,3 +364,36 @@ def test_the_kvtier_image_runs_as_the_user_the_chart_pods_run_as(helm: Helm) -> 
     deployment = named(helm.template(), "Deployment", "kvtier-operator")
     security = deployment["spec"]["template"]["spec"]["securityContext"]
     assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
+
+
+def test_tier_tls_names_the_secret_and_the_helm_test_mounts_only_its_ca(helm: Helm) -> None:
+    objects = render(helm, CHART / "ci" / "tls-values.yaml")
+    (tier,) = of_kind(objects, "CacheTier")
+    assert tier["spec"]["tls"] == {"secretName": "kvtier-tier-tls", "clientAuth": True}
+    assert "dataPort" not in tier["spec"]  # unset: the operator decides (off for 2 replicas)
+    pod = named(objects, "Pod", "kvtier-test-tier-health")["spec"]
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"]}
+    assert volumes["tls"] == {"secretName": "kvtier-tier-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert volumes["client-tls"]["secretName"] == "kvtier-helm-test-tls"
+    (tier,) = of_kind(helm.template(), "CacheTier")
+    assert "tls" not in tier["spec"]
+
+
+def test_the_data_port_value_sets_the_tiers_data_port(helm: Helm, tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text("defaultTier: {dataPort: false}\n")
+    (tier,) = of_kind(helm.template(values), "CacheTier")
+    assert tier["spec"]["dataPort"] == {"enabled": False}
+    crdschema.validate(tier)
+
+
+def test_mutual_tls_without_a_certificate_for_the_helm_test_fails_saying_what_to_set(
+    helm: Helm, tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text("defaultTier: {tls: {secretName: t, clientAuth: true}}\n")
+    result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
+    assert result.returncode != 0
+    assert "defaultTier.tls.testClientSecretName is required when defaultTier.tls.clientAuth is true" in (
+        result.stdout + result.stderr
+    )

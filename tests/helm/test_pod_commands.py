@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import redis
 import yaml
 
 from tests.helm.conftest import CHART, Helm
-from tests.redisprocs import free_port
+from tests.redisprocs import TlsFiles, free_port
 from tests.tierproc import TierProcess
 
 
@@ -33,13 +33,17 @@ def only_container(objects: list[dict[str, Any]], kind: str, name: str) -> dict[
     return container
 
 
-def health_check_command(helm: Helm, target: str, timeout_s: str) -> list[str]:
-    """The helm test pod's command, aimed at ``target`` (it runs `python -c SCRIPT TARGET TIMEOUT`)."""
-    container = only_container(helm.template(), "Pod", "kvtier-test-tier-health")
+def health_check_command(
+    helm: Helm, target: str, timeout_s: str, values: Path | None = None
+) -> list[str]:
+    """The helm test pod's command, aimed at ``target`` (it runs `python -c SCRIPT TARGET
+    TIMEOUT [TLS FILES]`; the files stay the pod's paths)."""
+    objects = helm.template(*([values] if values else []))
+    container = only_container(objects, "Pod", "kvtier-test-tier-health")
     assert container["command"] == ["python", "-c"]
-    script, pod_target, _ = container["args"]
+    script, pod_target, _, *tls_files = container["args"]
     assert pod_target == "kvtier.kvtier.svc:50051"
-    return [sys.executable, "-c", script, target, timeout_s]
+    return [sys.executable, "-c", script, target, timeout_s, *tls_files]
 
 
 def test_the_helm_test_passes_when_the_tier_is_serving(helm: Helm, tier: TierProcess) -> None:
@@ -48,6 +52,47 @@ def test_the_helm_test_passes_when_the_tier_is_serving(helm: Helm, tier: TierPro
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"the kvtier tier at {tier.target} is SERVING" in result.stdout
+
+
+def test_the_helm_test_checks_a_mutual_tls_tier_with_the_secrets_it_mounts(
+    helm: Helm, start_tier: Callable[..., TierProcess], tmp_path: Path
+) -> None:
+    files = TlsFiles.generate(tmp_path / "pki")
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "defaultTier: {tls: {secretName: tier-tls, clientAuth: true, testClientSecretName: test-tls}}\n"
+    )
+    pod = next(o for o in helm.template(values) if o["kind"] == "Pod")["spec"]
+    (container,) = pod["containers"]
+    # What the kubelet mounts: only ca.crt of the tier's Secret, the test Secret's pair.
+    secrets = {
+        "tier-tls": {"ca.crt": files.ca},
+        "test-tls": {"tls.crt": files.client_cert, "tls.key": files.client_key},
+    }
+    paths = {}
+    for volume in pod["volumes"]:
+        mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+        for item in volume["secret"]["items"]:
+            source = secrets[volume["secret"]["secretName"]][item["key"]]
+            paths[f"{mount['mountPath']}/{item['path']}"] = str(source)
+    tier = start_tier(
+        "--tls-cert-file", str(files.server_cert), "--tls-key-file", str(files.server_key),
+        "--tls-client-ca-file", str(files.ca),
+    )  # fmt: skip
+    command = health_check_command(helm, tier.target, "10", values)
+    assert command[5:] == [
+        "/etc/kvtier/tls/ca.crt", "/etc/kvtier/client-tls/tls.crt", "/etc/kvtier/client-tls/tls.key",
+    ]  # fmt: skip
+    result = subprocess.run(
+        command[:5] + [paths[path] for path in command[5:]], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"the kvtier tier at {tier.target} is SERVING" in result.stdout
+    # The same check without the client certificate is refused by the tier.
+    without_certificate = [*command[:4], "1", paths[command[5]]]
+    result = subprocess.run(without_certificate, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "is not SERVING after 1 s: UNAVAILABLE" in result.stdout
 
 
 def test_the_helm_test_fails_naming_the_error_when_no_tier_answers(helm: Helm) -> None:

@@ -11,7 +11,7 @@ from kvtier.operator.children import (
     cache_tier_children,
     model_recipe_children,
 )
-from kvtier.operator.spec import parse_cache_tier, parse_model_recipe
+from kvtier.operator.spec import parse_cache_tier, parse_model_recipe, parse_tier_spec
 from tests.operator import crdschema
 from tests.operator.bodies import cache_tier, model_recipe
 
@@ -19,6 +19,7 @@ from tests.operator.bodies import cache_tier, model_recipe
 KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
 DEFAULT_IMAGE = "ghcr.io/kvtier/kvtier:test"
 AUTH = "tier-auth"  # the tier's auth Secret: one key per tenant
+TLS = {"tls": {"secretName": "tier-tls", "clientAuth": True}}  # a mutual-TLS tier
 GRPC_PROBES = ClusterFeatures(grpc_probes=True)
 
 TIERS = {
@@ -33,6 +34,9 @@ TIERS = {
         "resources": {"requests": {"cpu": "2", "memory": "9Gi"}, "limits": {"memory": "10Gi"}},
     },
     "ram only": {"disk": {"enabled": False}, "ramBytes": 1073741824},
+    "tls": {"tls": {"secretName": "tier-tls"}},
+    "mutual tls, two replicas": {"replicas": 2, **TLS},
+    "no data port": {"dataPort": {"enabled": False}},
 }  # fmt: skip
 
 RECIPES = {
@@ -47,6 +51,7 @@ RECIPES = {
     "cpu only": {"engine": {"image": "vllm:cpu", "gpus": 0}},
     "salt required": {"cache": {"saltPolicy": "required", "codec": "raw", "encoderCache": True}},
     "no salts": {"cache": {"saltPolicy": "none"}},
+    "client certificate": {"cache": {"clientCertSecretRef": {"name": "engine-tls"}}},
 }  # fmt: skip
 
 
@@ -54,8 +59,13 @@ def tier_children(features: ClusterFeatures = GRPC_PROBES, **spec: Any) -> list[
     return cache_tier_children(parse_cache_tier(cache_tier(**spec)), DEFAULT_IMAGE, features)
 
 
-def recipe_children(tier_auth: str | None = None, **spec: Any) -> list[dict[str, Any]]:
-    return model_recipe_children(parse_model_recipe(model_recipe(**spec)), tier_auth)
+def recipe_children(
+    tier_auth: str | None = None, tier_spec: dict[str, Any] | None = None, **spec: Any
+) -> list[dict[str, Any]]:
+    """A recipe's children, for a tier with ``tier_spec`` and the auth Secret ``tier_auth``."""
+    tier = dict(tier_spec or {}) | ({"authSecretRef": {"name": tier_auth}} if tier_auth else {})
+    recipe = parse_model_recipe(model_recipe(**spec))
+    return model_recipe_children(recipe, parse_tier_spec(tier, "spec"))
 
 
 def by_kind(children: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -70,9 +80,10 @@ def builtin_children() -> list[tuple[str, dict[str, Any]]]:
             for child in tier_children(ClusterFeatures(grpc_probes=grpc), **spec):
                 out.append((f"tier {variant} grpc={grpc}: {child['kind']}", child))
     for variant, spec in RECIPES.items():
-        for child in recipe_children(AUTH, **spec):
-            if child["kind"] != "CacheTier":
-                out.append((f"recipe {variant}: {child['kind']}", child))
+        for tls in (False, True):
+            for child in recipe_children(AUTH, TLS if tls else None, **spec):
+                if child["kind"] != "CacheTier":
+                    out.append((f"recipe {variant} tls={tls}: {child['kind']}", child))
     return out
 
 
@@ -369,3 +380,85 @@ def test_engines_write_their_caches_to_an_empty_dir_home() -> None:
     assert env["HOME"] == "/home/vllm" and env["USER"] == "vllm"
     assert {"name": "home", "mountPath": "/home/vllm"} in container["volumeMounts"]
     assert {"name": "home", "emptyDir": {}} in pod["volumes"]
+
+
+def test_a_tier_can_turn_its_data_port_off() -> None:
+    children = tier_children(dataPort={"enabled": False})
+    assert by_kind(children, "ConfigMap")["data"]["KVTIER_DATA_PORT"] == "0"  # the server's off
+    (container,) = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["grpc", "metrics"]
+    for name in ("shared", "shared-headless"):
+        ports = by_kind(children, "Service", name)["spec"]["ports"]
+        assert "data" not in [p["name"] for p in ports]
+
+
+def test_several_replicas_without_redis_leave_the_data_port_off_and_with_redis_on() -> None:
+    def data_port(**spec: Any) -> str:
+        return str(by_kind(tier_children(**spec), "ConfigMap")["data"]["KVTIER_DATA_PORT"])
+
+    assert data_port(replicas=1) == "50052"
+    assert data_port(replicas=3) == "0"  # a gRPC and a data connection may reach two replicas
+    assert data_port(replicas=3, redis={"url": "redis://redis:6379/0"}) == "50052"
+
+
+def test_each_engine_pod_sticks_to_one_tier_replica() -> None:
+    service = by_kind(tier_children(replicas=3), "Service", "shared")
+    assert service["spec"]["sessionAffinity"] == "ClientIP"
+
+
+def test_a_tls_tier_mounts_its_certificate_and_key_and_probes_over_tcp() -> None:
+    children = tier_children(tls={"secretName": "tier-tls"})
+    settings = by_kind(children, "ConfigMap")["data"]
+    assert settings["KVTIER_TLS_CERT_FILE"] == "/etc/kvtier/tls/tls.crt"
+    assert settings["KVTIER_TLS_KEY_FILE"] == "/etc/kvtier/tls/tls.key"
+    assert "KVTIER_TLS_CLIENT_CA_FILE" not in settings  # no client certificates asked for
+    pod = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert volume["secret"] == {
+        "secretName": "tier-tls",
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+    }
+    (container,) = pod["containers"]
+    assert {"name": "tls", "mountPath": "/etc/kvtier/tls", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    # The kubelet's gRPC probe speaks plaintext only.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["tcpSocket"] == {"port": 50051} and "grpc" not in container[probe]
+
+
+def test_a_mutual_tls_tier_verifies_clients_with_its_secrets_ca() -> None:
+    children = tier_children(**TLS)
+    settings = by_kind(children, "ConfigMap")["data"]
+    assert settings["KVTIER_TLS_CLIENT_CA_FILE"] == "/etc/kvtier/tls/ca.crt"
+    pod = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert [item["key"] for item in volume["secret"]["items"]] == ["tls.crt", "tls.key", "ca.crt"]
+
+
+def test_engines_of_a_tls_tier_get_only_its_ca_and_present_their_client_certificate() -> None:
+    children = recipe_children(None, TLS, cache={"clientCertSecretRef": {"name": "engine-tls"}})
+    extra = json.loads(by_kind(children, "ConfigMap")["data"]["kv-transfer-config.json"])[
+        "kv_connector_extra_config"
+    ]
+    assert extra["tls_ca_file"] == "/etc/kvtier/tls/ca.crt"
+    assert extra["tls_cert_file"] == "/etc/kvtier/client-tls/tls.crt"
+    assert extra["tls_key_file"] == "/etc/kvtier/client-tls/tls.key"
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    # Never the tier's private key: only ca.crt of its Secret.
+    assert volumes["kvtier-tls"] == {
+        "secretName": "tier-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }  # fmt: skip
+    assert volumes["kvtier-client-tls"]["secretName"] == "engine-tls"
+    assert [i["key"] for i in volumes["kvtier-client-tls"]["items"]] == ["tls.crt", "tls.key"]
+
+
+def test_engines_of_a_plaintext_tier_get_no_tls_settings_even_with_a_client_certificate() -> None:
+    children = recipe_children(cache={"clientCertSecretRef": {"name": "engine-tls"}})
+    extra = json.loads(by_kind(children, "ConfigMap")["data"]["kv-transfer-config.json"])[
+        "kv_connector_extra_config"
+    ]
+    assert not any(key.startswith("tls_") for key in extra)
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    assert all("secret" not in volume for volume in pod["volumes"])

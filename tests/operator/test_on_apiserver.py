@@ -99,7 +99,12 @@ async def test_a_cache_tier_gets_its_statefulset_services_and_settings(
     headless = await kube.get(SERVICE, namespace, "shared-headless")
     client = await kube.get(SERVICE, namespace, "shared")
     assert headless is not None and headless["spec"]["clusterIP"] == "None"
-    assert client is not None and {p["port"] for p in client["spec"]["ports"]} == {50051, 50052, 9400}
+    assert client is not None and {p["port"] for p in client["spec"]["ports"]} == {
+        50051,
+        50052,
+        9400,
+    }
+    assert client["spec"]["sessionAffinity"] == "ClientIP"  # one replica per engine pod
     tier = await kube.get(CACHE_TIER, namespace, "shared")
     assert tier is not None
     for child in (statefulset, settings, headless, client):
@@ -315,6 +320,56 @@ async def test_a_recipe_whose_tenant_has_no_token_in_the_tiers_secret_says_so_un
     await wait_for_condition(
         kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady"
     )
+
+
+async def test_a_mutual_tls_tier_and_its_recipes_say_which_certificate_is_missing_until_it_exists(
+    kube: KubeClient, namespace: str
+) -> None:
+    def tls_secret(name: str, **data: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": name, "namespace": namespace}, "stringData": data,
+        }  # fmt: skip
+
+    pem = {"tls.crt": "certificate", "tls.key": "key"}
+    tier_tls = tls_secret("tier-tls", **pem)  # no ca.crt yet
+    await kube.create(tier_tls)
+    await kube.create(cache_tier(namespace, tls={"secretName": "tier-tls", "clientAuth": True}))
+    tier = await wait_for_condition(
+        kube, namespace, "CacheTier", "shared", "Ready", reason="SecretKeyNotFound"
+    )
+    assert (
+        "spec.tls.secretName: Secret 'tier-tls' has no key 'ca.crt'"
+        in (condition(tier, "Ready")["message"])
+    )
+    await kube.apply(tls_secret("tier-tls", **pem, **{"ca.crt": "ca"}))
+    await wait_for_condition(
+        kube, namespace, "CacheTier", "shared", "Ready", reason="ReplicasNotReady"
+    )
+    await kube.create(model_recipe(namespace))
+    recipe = await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="ClientCertificateRequired"
+    )
+    assert "spec.cache.clientCertSecretRef" in condition(recipe, "TierReady")["message"]
+    await kube.create(tls_secret("engine-tls", **pem))
+    await kube.patch(
+        MODEL_RECIPE,
+        namespace,
+        "qwen",
+        {"spec": {"cache": {"clientCertSecretRef": {"name": "engine-tls"}}}},
+    )
+    await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady"
+    )
+    deployment = await kube.get(DEPLOYMENT, namespace, "qwen")
+    assert deployment is not None
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kvtier-tls"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert volumes["kvtier-client-tls"]["secret"]["secretName"] == "engine-tls"
+    statefulset = await kube.get(STATEFULSET, namespace, "shared")
+    assert statefulset is not None
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert "tcpSocket" in container["readinessProbe"]
 
 
 async def test_an_invalid_combination_is_reported_in_status_without_children(

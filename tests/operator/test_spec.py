@@ -8,6 +8,7 @@ import pytest
 from kvtier.operator.errors import SpecError
 from kvtier.operator.spec import (
     SecretKeyRef,
+    Tls,
     parse_cache_tier,
     parse_model_recipe,
 )
@@ -142,3 +143,32 @@ def test_a_name_too_long_for_the_children_is_rejected() -> None:
     body = cache_tier(name="t" * 41)
     with pytest.raises(SpecError, match=re.escape("metadata.name: at most 40 characters")):
         parse_cache_tier(body)
+
+
+def test_a_tls_secret_needs_its_certificate_key_and_ca() -> None:
+    tier = parse_cache_tier(cache_tier(tls={"secretName": "tier-tls"}))
+    assert tier.spec.tls == Tls("tier-tls", client_auth=False)
+    assert tier.spec.secret_refs() == [
+        ("spec.tls.secretName", SecretKeyRef("tier-tls", key))
+        for key in ("tls.crt", "tls.key", "ca.crt")
+    ]
+
+
+def test_the_data_port_of_several_replicas_without_redis_cannot_be_forced_on() -> None:
+    body = model_recipe(tier={"inline": {"replicas": 2, "dataPort": {"enabled": True}}})
+    with pytest.raises(
+        SpecError,
+        match=r"spec.tier.inline.dataPort.enabled: with 2 replicas and no spec.tier.inline.redis",
+    ):
+        parse_model_recipe(body)
+    assert parse_cache_tier(cache_tier(replicas=2)).spec.data_port is False  # unset: off
+    redis = {"url": "redis://r:6379"}
+    tier = parse_cache_tier(cache_tier(replicas=2, redis=redis, dataPort={"enabled": True}))
+    assert tier.spec.data_port is True
+
+
+def test_a_client_certificate_reference_names_its_secret() -> None:
+    recipe = parse_model_recipe(model_recipe(cache={"clientCertSecretRef": {"name": "engine-tls"}}))
+    assert recipe.cache.client_cert_secret == "engine-tls"
+    with pytest.raises(SpecError, match=r"spec.cache.clientCertSecretRef.name: required"):
+        parse_model_recipe(model_recipe(cache={"clientCertSecretRef": {}}))
