@@ -36,7 +36,7 @@ _SIZE_UNITS = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
 
 
 def parse_size(text: str) -> int:
@@ -49,7 +49,7 @@ def parse_size(text: str) -> int:
 def parse_duration(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _DURATION_UNITS:
-        raise ValueError("a duration such as 500ms, 2s or 1.5 (seconds)")
+        raise ValueError("a duration such as 500ms, 2s, 5m, 24h or 1.5 (seconds)")
     return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
 
 
@@ -172,7 +172,7 @@ _FLAGS = [
     _Flag("redis-tls-cert-file", "redis_tls_cert_file", Path, "client certificate for Redis mutual TLS", "a file path"),
     _Flag("redis-tls-key-file", "redis_tls_key_file", Path, "client key for Redis mutual TLS", "a file path"),
     _Flag("redis-timeout", "redis_timeout_s", parse_duration, "deadline of each Redis call", "a duration such as 500ms"),
-    _Flag("redis-ttl", "redis_ttl_s", parse_duration, "expiry of values written to Redis (0: none)", "a duration such as 24h in seconds, or 0"),
+    _Flag("redis-ttl", "redis_ttl_s", parse_duration, "expiry of values written to Redis (0: none)", "a duration such as 24h, or 0"),
     _Flag("write-policy", "write_policy", _choice("write-behind", "write-through"),
           "write-behind: Put returns once RAM holds the value; write-through: once every tier does",
           "write-behind or write-through"),
@@ -295,7 +295,9 @@ def _check(s: Settings) -> None:
         raise bad("auth-tokens", f"{s.auth_tokens} does not exist")
     if (s.redis_tls_cert_file is None) != (s.redis_tls_key_file is None):
         raise bad("redis-tls-cert-file", "give both --redis-tls-cert-file and --redis-tls-key-file, or neither")
-    if s.redis_ttl_s < 0:
-        raise bad("redis-ttl", "must be 0 (no expiry) or positive")
+    if s.redis_ttl_s < 0 or 0 < s.redis_ttl_s < 1 or s.redis_ttl_s != int(s.redis_ttl_s):
+        raise bad("redis-ttl", "must be 0 (no expiry) or a whole number of seconds such as 3600 or 24h")
+    if s.write_behind_bytes <= 0:
+        raise bad("write-behind-bytes", "must be greater than 0 (it bounds the copies waiting for each lower tier)")
     if s.grace_period_s < 0:
         raise bad("grace-period", "must be 0 or positive")

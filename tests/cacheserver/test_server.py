@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from kvtier.cacheserver import settings
 from kvtier.connector.client import TierClient
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2, wire
@@ -28,6 +29,17 @@ def client(tier: TierProcess) -> Iterator[TierClient]:
 
 def value(n: int, seed: int = 0) -> bytes:
     return (seed.to_bytes(4, "little") + os.urandom(12)) * (n // 16) + b"x" * (n % 16)
+
+
+def _disk_file(tier: TierProcess) -> Path:
+    """The one value file of the disk tier, once the write-behind copy has landed."""
+    deadline = time.monotonic() + 10
+    while True:
+        files = [p for p in (tier.directory / "disk" / "v1").rglob("*") if p.is_file()]
+        if len(files) == 1 or time.monotonic() > deadline:
+            (path,) = files
+            return path
+        time.sleep(0.05)
 
 
 def test_values_round_trip_with_lookup_counting_the_leading_present_keys(client: TierClient) -> None:
@@ -69,8 +81,7 @@ def test_a_corrupted_file_on_disk_is_never_served_and_is_counted(start_tier: Cal
     data = value(50_000)
     with TierClient(tier.target) as c:
         c.put([(b"victim", data)])
-    time.sleep(0.5)
-    (path,) = [p for p in (tier.directory / "disk" / "v1").rglob("*") if p.is_file()]
+    path = _disk_file(tier)
     tier.kill()
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0xFF  # one flipped bit in the payload, same length
@@ -87,8 +98,7 @@ def test_a_truncated_file_on_disk_is_dropped_at_start_up(start_tier: Callable[..
     tier = start_tier()
     with TierClient(tier.target) as c:
         c.put([(b"cut", value(50_000))])
-    time.sleep(0.5)
-    (path,) = [p for p in (tier.directory / "disk" / "v1").rglob("*") if p.is_file()]
+    path = _disk_file(tier)
     tier.kill()
     path.write_bytes(path.read_bytes()[:1000])
     tier.restart()
@@ -311,9 +321,9 @@ def test_a_bad_env_var_stops_the_server_with_a_message_naming_the_env_var() -> N
 def test_the_help_names_every_flag_with_its_env_var() -> None:
     r = _server_cli("--help")
     assert r.returncode == 0
-    for flag in ("--ram-bytes", "--disk-dir", "--disk-bytes", "--redis-url", "--metrics-port", "--port"):
-        assert flag in r.stdout
-        assert "KVTIER_" + flag[2:].upper().replace("-", "_") in r.stdout
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    for flag in settings._FLAGS:
+        assert f"--{flag.name} " in text and f"env {flag.env};" in text
 
 
 def test_env_vars_configure_the_server(start_tier: Callable[..., TierProcess], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,6 +382,17 @@ def test_metrics_count_requests_bytes_and_tier_hits(tier: TierProcess, client: T
     assert tier.metric("kvtier_server_lookup_hit_keys_total") == 1
     assert tier.metric("kvtier_tier_capacity_bytes", tier="ram") == 256 << 20
     assert tier.metric("kvtier_tier_healthy", tier="disk") == 1
+    assert tier.metric("kvtier_tier_used_bytes", tier="ram") == 1000
+    assert tier.metric("kvtier_tier_entries", tier="ram") == 1
+    assert tier.metric("kvtier_tier_misses_total", tier="ram") == 1
+    assert tier.metric("kvtier_server_request_duration_seconds_count", op="Get") == 2
+    with pytest.raises(TierRejected):
+        client.lookup([b""])
+    # The status reaches the client as the handler aborts, a moment before its metrics are counted.
+    deadline = time.monotonic() + 10
+    while tier.metric("kvtier_server_requests_total", op="Lookup", code="INVALID_ARGUMENT") != 1:
+        assert time.monotonic() < deadline, "the refused Lookup is never counted"
+        time.sleep(0.05)
 
 
 def test_the_committed_stubs_match_the_proto(tmp_path: Path) -> None:
