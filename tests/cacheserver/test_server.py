@@ -120,6 +120,7 @@ def test_the_ram_tier_evicts_least_recently_used_values_to_stay_in_bounds(
         stats = {t.name: t for t in c.stats().tiers}
         assert stats["ram"].used_bytes <= 1 << 20
         assert stats["ram"].evictions >= 3
+        assert tier.metric("kvtier_tier_evictions_total", tier="ram") == stats["ram"].evictions
         assert c.lookup([b"k0"]) == 1
         assert c.lookup([b"k1"]) == 0
 
