@@ -22,6 +22,8 @@ ROWS = [
     "kvtier chunk_keys, xxh3_128, pure Python",
     "packing the token list alone (C helper)",
     "packing the token list alone (array.fromlist)",
+    "one sha256 over the packed tokens (128 KiB)",
+    "one xxh3_128 over the packed tokens (128 KiB)",
     "vLLM block hasher, sha256, block 16",
     "vLLM block hasher, sha256, block 256",
     "vLLM block hasher, xxhash, block 16",
