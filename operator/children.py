@@ -65,9 +65,45 @@ ENGINE_HOME = "/home/vllm"
 TIER_MEMORY_OVERHEAD = 512 * 2**20  # on top of the RAM tier: the process, buffers, gRPC
 DISK_USABLE_FRACTION = 0.9  # leave room for the filesystem on the volume
 SETTINGS_HASH_ANNOTATION = "kvtier.io/settings-hash"
+CERTIFICATES_HASH_ANNOTATION = "kvtier.io/certificates-hash"
 KV_TRANSFER_KEY = "kv-transfer-config.json"
 EC_TRANSFER_KEY = "ec-transfer-config.json"
 MANAGED_BY = "kvtier-operator"
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """The TLS files a pod mounts: (volume, Secret, keys, mount path) per Secret."""
+
+    mounts: tuple[tuple[str, str, tuple[str, ...], str], ...] = ()
+
+    def secrets(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(Secret, keys) pairs: what the operator hashes into ``kvtier.io/certificates-hash``."""
+        return [(secret, keys) for _, secret, keys, _ in self.mounts]
+
+
+def tier_certificates(spec: TierSpec) -> Certificates:
+    """A tier's certificate and key (and, for mutual TLS, the CA that verifies clients)."""
+    if spec.tls is None:
+        return Certificates()
+    keys = (TLS_CERT_KEY, TLS_KEY_KEY) + ((TLS_CA_KEY,) if spec.tls.client_auth else ())
+    return Certificates((("tls", spec.tls.secret, keys, TLS_DIR),))
+
+
+def engine_certificates(recipe: ModelRecipe, tier: TierSpec | None) -> Certificates:
+    """What an engine needs to reach a TLS tier: only the tier Secret's ca.crt, and the
+    recipe's client certificate if it names one."""
+    if tier is None or tier.tls is None:
+        return Certificates()
+    mounts: list[tuple[str, str, tuple[str, ...], str]] = [
+        ("kvtier-tls", tier.tls.secret, (TLS_CA_KEY,), TLS_DIR)
+    ]
+    if recipe.cache.client_cert_secret is not None:
+        mounts.append((
+            "kvtier-client-tls", recipe.cache.client_cert_secret, (TLS_CERT_KEY, TLS_KEY_KEY),
+            CLIENT_TLS_DIR,
+        ))  # fmt: skip
+    return Certificates(tuple(mounts))
 
 
 @dataclass(frozen=True)
@@ -115,13 +151,22 @@ def owner_reference(owner: Owner) -> Obj:
 
 
 def cache_tier_children(
-    tier: CacheTier, default_image: str, features: ClusterFeatures
+    tier: CacheTier,
+    default_image: str,
+    features: ClusterFeatures,
+    certificates_hash: str | None = None,
 ) -> list[Obj]:
-    """The desired ConfigMap, StatefulSet and Services of a CacheTier."""
+    """The desired ConfigMap, StatefulSet and Services of a CacheTier.
+
+    ``certificates_hash`` (of the TLS files the pods mount) goes into the pod template: the
+    server reads its certificate at start, so a renewed one rolls the pods.
+    """
     owner, spec = tier.owner, tier.spec
     settings = tier_settings(tier)
     pod_labels = labels(owner, "cache-tier")
     annotations = {SETTINGS_HASH_ANNOTATION: _digest(settings)}
+    if certificates_hash is not None:
+        annotations[CERTIFICATES_HASH_ANNOTATION] = certificates_hash
     if spec.metrics:
         annotations |= {
             "prometheus.io/scrape": "true",
@@ -145,10 +190,7 @@ def cache_tier_children(
         # The whole Secret: one file per tenant, updated in place when the Secret changes.
         mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
         volumes.append({"name": "tenants", "secret": {"secretName": spec.auth_secret}})
-    if spec.tls is not None:
-        keys = [TLS_CERT_KEY, TLS_KEY_KEY] + ([TLS_CA_KEY] if spec.tls.client_auth else [])
-        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-        volumes.append(_secret_volume("tls", spec.tls.secret, keys))
+    _mount_certificates(tier_certificates(spec), mounts, volumes)
     container: Obj = {
         "name": "kvtier-server",
         "image": spec.image or default_image,
@@ -256,13 +298,16 @@ def redis_url(url: str, *, cluster: bool) -> str:
     return f"{scheme}+cluster://{rest}"
 
 
-def model_recipe_children(recipe: ModelRecipe, tier: TierSpec | None) -> list[Obj]:
+def model_recipe_children(
+    recipe: ModelRecipe, tier: TierSpec | None, certificates_hash: str | None = None
+) -> list[Obj]:
     """The desired ConfigMap, Deployment and Service (and inline CacheTier) of a ModelRecipe.
 
     ``tier`` is the spec of the recipe's CacheTier (None while it does not exist). With its
     auth Secret, the Secret's key ``spec.cache.tenant`` is mounted into the engines as their
     token; with its TLS Secret, only that Secret's ``ca.crt``, and the recipe's client
-    certificate (``spec.cache.clientCertSecretRef``).
+    certificate (``spec.cache.clientCertSecretRef``). ``certificates_hash``: as for a tier
+    (the connector reads its TLS files at start).
     """
     owner = recipe.owner
     config = {KV_TRANSFER_KEY: json.dumps(kv_transfer_config(recipe, tier), sort_keys=True)}
@@ -301,19 +346,7 @@ def model_recipe_children(recipe: ModelRecipe, tier: TierSpec | None) -> list[Ob
         volumes.append(
             _secret_volume("kvtier-auth", tier.auth_secret, [recipe.cache.tenant], ["token"])
         )
-    if tier is not None and tier.tls is not None:
-        mounts.append({"name": "kvtier-tls", "mountPath": TLS_DIR, "readOnly": True})
-        volumes.append(_secret_volume("kvtier-tls", tier.tls.secret, [TLS_CA_KEY]))
-        if recipe.cache.client_cert_secret is not None:
-            mounts.append(
-                {"name": "kvtier-client-tls", "mountPath": CLIENT_TLS_DIR, "readOnly": True}
-            )
-            volumes.append(
-                _secret_volume(
-                    "kvtier-client-tls", recipe.cache.client_cert_secret,
-                    [TLS_CERT_KEY, TLS_KEY_KEY],
-                )
-            )  # fmt: skip
+    _mount_certificates(engine_certificates(recipe, tier), mounts, volumes)
     health = {"httpGet": {"path": "/health", "port": "http"}}
     container: Obj = {
         "name": "vllm",
@@ -337,7 +370,14 @@ def model_recipe_children(recipe: ModelRecipe, tier: TierSpec | None) -> list[Ob
         "template": {
             "metadata": {
                 "labels": pod_labels,
-                "annotations": {SETTINGS_HASH_ANNOTATION: _digest(config)},
+                "annotations": {
+                    SETTINGS_HASH_ANNOTATION: _digest(config),
+                    **(
+                        {CERTIFICATES_HASH_ANNOTATION: certificates_hash}
+                        if certificates_hash
+                        else {}
+                    ),
+                },
             },
             "spec": {
                 "enableServiceLinks": False,
@@ -490,6 +530,12 @@ def container_security() -> Obj:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def _mount_certificates(certificates: Certificates, mounts: list[Obj], volumes: list[Obj]) -> None:
+    for volume, secret, keys, path in certificates.mounts:
+        mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+        volumes.append(_secret_volume(volume, secret, list(keys)))
 
 
 def _secret_volume(name: str, secret: str, keys: list[str], paths: list[str] | None = None) -> Obj:

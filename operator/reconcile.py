@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,10 +19,13 @@ from typing import Any
 
 from kvtier.operator import conditions as cond
 from kvtier.operator.children import (
+    Certificates,
     ClusterFeatures,
     cache_tier_children,
+    engine_certificates,
     engine_endpoint,
     model_recipe_children,
+    tier_certificates,
     tier_endpoint,
 )
 from kvtier.operator.conditions import Condition
@@ -69,10 +73,12 @@ async def reconcile_cache_tier(ctx: Context, body: Mapping[str, Any]) -> Obj:
     owner = tier.owner
     endpoint = {"endpoint": tier_endpoint(owner.name, owner.namespace)}
     secret_problem = await _check_secrets(ctx.client, owner.namespace, tier.spec)
+    certificates = await _certificates_hash(
+        ctx.client, owner.namespace, tier_certificates(tier.spec)
+    )
+    children = cache_tier_children(tier, ctx.tier_image, ctx.features, certificates)
     try:
-        applied = await apply_children(
-            ctx.client, owner, cache_tier_children(tier, ctx.tier_image, ctx.features)
-        )
+        applied = await apply_children(ctx.client, owner, children)
     except ChildConflict as exc:
         return _status(body, cond.failed(TIER_CONDITIONS, "ChildConflict", str(exc)), **endpoint)
     statefulset = applied[("StatefulSet", owner.name)]
@@ -100,8 +106,13 @@ async def reconcile_model_recipe(ctx: Context, body: Mapping[str, Any]) -> Obj:
         cache_tier = None  # applied below, with the other children
     tier = _tier_spec(recipe.inline_tier if cache_tier is None else cache_tier.get("spec"))
     access_problem = None if tier is None else await _check_access(ctx.client, recipe, tier)
+    certificates = await _certificates_hash(
+        ctx.client, owner.namespace, engine_certificates(recipe, tier)
+    )
     try:
-        applied = await apply_children(ctx.client, owner, model_recipe_children(recipe, tier))
+        applied = await apply_children(
+            ctx.client, owner, model_recipe_children(recipe, tier, certificates)
+        )
     except ChildConflict as exc:
         return _status(body, cond.failed(RECIPE_CONDITIONS, "ChildConflict", str(exc)), **facts)
     cache_tier = applied.get(("CacheTier", recipe.tier_name), cache_tier)
@@ -246,6 +257,23 @@ async def _check_keys(
         "TierReady", cond.FALSE, "SecretNotFound" if secret is None else "SecretKeyNotFound",
         f"{field}: {what} {name!r} {problem}; {hint}",
     )  # fmt: skip
+
+
+async def _certificates_hash(
+    client: KubeClient, namespace: str, certificates: Certificates
+) -> str | None:
+    """A digest of the TLS files a pod mounts, from their Secrets (None without any).
+    Servers and connectors read certificates at start: a renewed certificate changes the
+    digest, and so the pod template, and the pods roll. Values are hashed, never logged."""
+    if not certificates.mounts:
+        return None
+    digest = hashlib.sha256()
+    for name, keys in certificates.secrets():
+        secret = await client.get(SECRET, namespace, name)
+        data = (secret or {}).get("data") or {}
+        for key in keys:
+            digest.update(f"{name}\0{key}\0{data.get(key, '')}\0".encode())
+    return digest.hexdigest()[:16]
 
 
 def _secret_keys(secret: Mapping[str, Any]) -> set[str]:

@@ -9,7 +9,9 @@ import pytest
 from kvtier.operator.children import (
     ClusterFeatures,
     cache_tier_children,
+    engine_certificates,
     model_recipe_children,
+    tier_certificates,
 )
 from kvtier.operator.spec import parse_cache_tier, parse_model_recipe, parse_tier_spec
 from tests.operator import crdschema
@@ -462,3 +464,27 @@ def test_engines_of_a_plaintext_tier_get_no_tls_settings_even_with_a_client_cert
     assert not any(key.startswith("tls_") for key in extra)
     pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
     assert all("secret" not in volume for volume in pod["volumes"])
+
+
+def test_a_certificates_hash_goes_into_the_pod_templates_so_renewals_roll_the_pods() -> None:
+    def annotations(children: list[dict[str, Any]], kind: str) -> dict[str, str]:
+        return dict(by_kind(children, kind)["spec"]["template"]["metadata"]["annotations"])
+
+    tier = cache_tier_children(
+        parse_cache_tier(cache_tier(**TLS)), DEFAULT_IMAGE, GRPC_PROBES, "h1"
+    )
+    assert annotations(tier, "StatefulSet")["kvtier.io/certificates-hash"] == "h1"
+    recipe = parse_model_recipe(model_recipe())
+    engine = model_recipe_children(recipe, parse_tier_spec(TLS, "spec"), "h2")
+    assert annotations(engine, "Deployment")["kvtier.io/certificates-hash"] == "h2"
+    assert "kvtier.io/certificates-hash" not in annotations(tier_children(), "StatefulSet")
+
+
+def test_the_certificates_an_engine_mounts_are_the_tiers_ca_and_its_own_pair() -> None:
+    recipe = parse_model_recipe(model_recipe(cache={"clientCertSecretRef": {"name": "engine-tls"}}))
+    tier = parse_tier_spec(TLS, "spec")
+    assert engine_certificates(recipe, tier).secrets() == [
+        ("tier-tls", ("ca.crt",)), ("engine-tls", ("tls.crt", "tls.key")),
+    ]  # fmt: skip
+    assert engine_certificates(recipe, parse_tier_spec({}, "spec")).secrets() == []
+    assert tier_certificates(tier).secrets() == [("tier-tls", ("tls.crt", "tls.key", "ca.crt"))]

@@ -372,6 +372,46 @@ async def test_a_mutual_tls_tier_and_its_recipes_say_which_certificate_is_missin
     assert "tcpSocket" in container["readinessProbe"]
 
 
+async def test_a_renewed_certificate_rolls_the_tier_and_a_new_ca_the_engines(
+    kube: KubeClient, namespace: str
+) -> None:
+    def tls_secret(**data: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": "tier-tls", "namespace": namespace}, "stringData": data,
+        }  # fmt: skip
+
+    await kube.create(tls_secret(**{"tls.crt": "cert 1", "tls.key": "key 1", "ca.crt": "ca 1"}))
+    await kube.create(cache_tier(namespace, tls={"secretName": "tier-tls"}))
+    await kube.create(model_recipe(namespace))
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "TierReady")
+
+    async def template_hash(kind: Any, name: str) -> str:
+        obj = await kube.get(kind, namespace, name)
+        assert obj is not None
+        return str(
+            obj["spec"]["template"]["metadata"]["annotations"]["kvtier.io/certificates-hash"]
+        )
+
+    tier_before = await template_hash(STATEFULSET, "shared")
+    engine_before = await template_hash(DEPLOYMENT, "qwen")
+
+    async def changed(kind: Any, name: str, before: str) -> bool:
+        return await template_hash(kind, name) != before
+
+    # A renewal (new certificate and key, same CA): the tier rolls, the engines keep running.
+    await kube.apply(tls_secret(**{"tls.crt": "cert 2", "tls.key": "key 2", "ca.crt": "ca 1"}))
+    await eventually(
+        lambda: changed(STATEFULSET, "shared", tier_before), what="a new tier template"
+    )
+    assert await template_hash(DEPLOYMENT, "qwen") == engine_before
+    # A new CA: the engines, which verify the tier with it, roll too.
+    await kube.apply(tls_secret(**{"tls.crt": "cert 3", "tls.key": "key 3", "ca.crt": "ca 2"}))
+    await eventually(
+        lambda: changed(DEPLOYMENT, "qwen", engine_before), what="a new engine template"
+    )
+
+
 async def test_an_invalid_combination_is_reported_in_status_without_children(
     kube: KubeClient, namespace: str
 ) -> None:
