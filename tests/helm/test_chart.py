@@ -397,3 +397,14 @@ def test_mutual_tls_without_a_certificate_for_the_helm_test_fails_saying_what_to
     assert "defaultTier.tls.testClientSecretName is required when defaultTier.tls.clientAuth is true" in (
         result.stdout + result.stderr
     )
+
+
+def test_the_engine_image_installs_what_every_codec_a_recipe_may_choose_needs() -> None:
+    import tomllib
+
+    from kvtier.operator.spec import CODECS
+
+    dockerfile = (ROOT / "docker" / "Dockerfile.vllm").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert '"/src[connector]"' in dockerfile  # the connector's extra, not only the base package
+    assert "zstd" in CODECS and any(dep.startswith("zstandard") for dep in extras["connector"])
