@@ -408,3 +408,18 @@ def test_the_engine_image_installs_what_every_codec_a_recipe_may_choose_needs() 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert '"/src[connector]"' in dockerfile  # the connector's extra, not only the base package
     assert "zstd" in CODECS and any(dep.startswith("zstandard") for dep in extras["connector"])
+
+
+def test_forcing_the_data_port_on_several_replicas_without_redis_fails_saying_why(
+    helm: Helm, tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text("defaultTier: {replicas: 2, dataPort: true}\n")
+    result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
+    assert result.returncode != 0
+    assert "defaultTier.dataPort: true needs Redis (redis.mode) when defaultTier.replicas is more than 1" in (
+        result.stdout + result.stderr
+    )
+    values.write_text("defaultTier: {replicas: 2, dataPort: true}\nredis: {mode: inChart}\n")
+    (tier,) = of_kind(helm.template(values), "CacheTier")
+    assert tier["spec"]["dataPort"] == {"enabled": True}
