@@ -168,3 +168,25 @@ def test_frozen_tier_opens_breaker_then_probe_closes_it(
     assert out.num_cached_tokens == 3 * CHUNK
     assert out.token_ids == expected
     assert faulty.stats()["breaker_open"] == 0
+
+
+def test_saves_beyond_the_queue_are_dropped_and_counted_while_the_tier_is_frozen(
+    text_model: Path, module_tier: TierProcess, start_engine, writer, healthy
+) -> None:
+    # A one-chunk save queue: the sender's first Put hangs on the frozen tier until its
+    # deadline; every chunk offered meanwhile beyond the one queued is dropped, not waited for.
+    config = {"target": module_tier.target, **FAST_FAULTS, "save_queue_chunks": 1,
+              "save_batch_chunks": 1}  # fmt: skip
+    saver = start_engine(text_model, name="q", extra_config=config)
+    prompts = [computed_by_writer(writer, seed=20 + i) for i in range(4)]
+    module_tier.freeze()
+    try:
+        outs = saver.generate([prompt for prompt, _ in prompts])
+        stats = saver.stats()
+    finally:
+        module_tier.thaw()
+
+    assert [o.token_ids for o in outs] == [expected for _, expected in prompts]
+    # 12 chunks offered; at most one more fits each time a Put gives up (2 s deadline).
+    assert stats.get("saves_dropped:queue_full", 0) >= 6
+    assert stats.get("saved_chunks", 0) == 0
