@@ -71,7 +71,7 @@ KEY_SCHEMA_VERSION: Final = 2
 
 HASH_ALGOS: Final = ("sha256", "xxh3_128")
 """Accepted ``KeySpec.hash_algo`` values. ``sha256`` (the default) is collision resistant.
-``xxh3_128`` is about 1.5x faster end to end but NOT collision resistant: anyone who
+``xxh3_128`` is about 2x faster end to end but NOT collision resistant: anyone who
 can send prompts can craft two prompts with one key and poison the cache. Use it only
 when every client sharing a cache salt is trusted."""
 

@@ -519,6 +519,12 @@ def test_the_vectors_file_pins_the_current_key_schema_version() -> None:
     )
 
 
+def test_docs_keys_md_describes_the_current_key_schema_version() -> None:
+    page = (Path(__file__).parents[2] / "docs" / "keys.md").read_text()
+    assert f"`KEY_SCHEMA_VERSION = {KEY_SCHEMA_VERSION}`" in page
+    assert f'field("key_schema_version", "{KEY_SCHEMA_VERSION}")' in page
+
+
 def test_keys_match_the_committed_vectors() -> None:
     for vector in json.loads(VECTORS.read_text())["vectors"]:
         assert vector_keys(vector) == vector["keys"], (
