@@ -38,8 +38,13 @@ The text model is a Qwen2 with random weights built here (``--layers``, ``--hidd
 ...; the default is the 0.5B Qwen2 shape with fewer layers, see --help), with the
 test suite's locally trained tokenizer (vocabulary 2048: the LM head runs on one
 token per request, so the vocabulary size barely touches prefill). The mm model is
-Qwen2.5-VL-shaped: the test suite's tiny one with a bigger vision tower
-(``--vision-depth``, ``--vision-hidden``), or the tiny one itself with ``--tiny``.
+Qwen2.5-VL-shaped: the same language-model shape behind a bigger vision tower
+(``--vision-depth``, ``--vision-hidden``), or the test suite's tiny one with ``--tiny``.
+The mm arms keep vLLM's multimodal processor cache on (its default): vLLM then names
+each image by its content, which kvtier's keys need (with that cache and the prefix
+cache both off, vLLM names images per request and the connector refuses to start).
+So in every arm vLLM's own encoder cache serves an image the engine has already
+encoded; what a no-cache repeat still pays is the prompt's prefill.
 
 ``--tiny`` is the CI smoke run (tiny models, short prompts, a few requests): it
 proves the harness works and makes no speed claim.
@@ -150,12 +155,18 @@ def build_text_model(root: Path, args: argparse.Namespace) -> Path:
 
 
 def build_mm_model(root: Path, args: argparse.Namespace) -> Path:
+    """A random-weight Qwen2.5-VL: the text model's language-model shape (``--layers``,
+    ``--hidden`` ...) behind a ``--vision-depth`` x ``--vision-hidden`` ViT (cached in
+    ``root``); the test suite's tiny one with ``--tiny``."""
     from tests.tinymodels import build_vl_model
 
     if args.tiny:
         return build_vl_model(root / "qwen2_5_vl-tiny")
     base = build_vl_model(root / "qwen2_5_vl-tiny")
-    out = root / f"qwen2_5_vl-vit{args.vision_depth}x{args.vision_hidden}"
+    out = root / (
+        f"qwen2_5_vl-vit{args.vision_depth}x{args.vision_hidden}-h{args.hidden}-l{args.layers}"
+        f"-a{args.heads}-kv{args.kv_heads}-i{args.intermediate}"
+    )
     if (out / ".complete").exists():
         return out
     import torch
@@ -168,6 +179,15 @@ def build_mm_model(root: Path, args: argparse.Namespace) -> Path:
     vision.fullatt_block_indexes = [i for i in range(vision.depth) if i % 4 == 3] or [
         vision.depth - 1
     ]
+    text = config.text_config
+    text.hidden_size, text.num_hidden_layers = args.hidden, args.layers
+    text.num_attention_heads, text.num_key_value_heads = args.heads, args.kv_heads
+    text.intermediate_size, text.initializer_range = args.intermediate, 0.02
+    text.layer_types = ["full_attention"] * args.layers
+    half = args.hidden // args.heads // 2  # M-RoPE sections split half the head size
+    text.rope_parameters["mrope_section"] = [half // 4, (half - half // 4) // 2,
+                                             half - half // 4 - (half - half // 4) // 2]  # fmt: skip
+    vision.out_hidden_size = args.hidden
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -296,8 +316,9 @@ def arm_spec(arm: str, model: Path, max_len: int, mm_images: int, tier: str, arg
         "dtype": "bfloat16",
     }
     if mm_images:
+        # vLLM's processor cache stays on (its default): with it and the prefix cache
+        # both off, vLLM names images per request, and kvtier refuses such an engine.
         llm["limit_mm_per_prompt"] = {"image": mm_images, "video": 0}
-        llm["mm_processor_cache_gb"] = 0  # no in-engine reuse of processed images
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     spec: dict[str, Any] = {"llm": llm, "kvtier": None}
     if arm in ("vllm-offload", "vllm-simple-offload"):
