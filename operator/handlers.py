@@ -3,13 +3,16 @@
 For each kind, create, update, resume and a timer (``resync_seconds``) share
 one idempotent path (``kvtier.operator.reconcile``); the timer is what brings
 back a deleted or edited child and notices children becoming ready; it skips
-a generation the change handlers have not finished. There is no delete
+a generation the change handlers have not finished. Timers get a live view of the
+object: each reconcile works on a copy, and a status computed for a generation that
+an edit replaced meanwhile is dropped (``status_update``). There is no delete
 handler and so no finalizer: children carry owner references and Kubernetes'
 garbage collector removes them with their parent.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -83,14 +86,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     def handler(reconcile: Reconcile) -> Callable[..., Awaitable[None]]:
         async def handle(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
             assert runtime.context is not None, "the startup handler runs first"
+            # kopf hands timers a live view of the object, which an edit changes under a
+            # running reconcile: reconcile one consistent copy of it.
+            snapshot = copy.deepcopy(dict(body))
             try:
-                status = await reconcile(runtime.context, body)
+                status = await reconcile(runtime.context, snapshot)
             except KubeError as exc:
                 raise kopf.TemporaryError(str(exc), delay=config.retry_seconds) from exc
-            previous = body.get("status") or {}
-            if any(previous.get(key) != value for key, value in status.items()):
-                patch.status.update(status)
-            problem = new_problem(previous, status)
+            update = status_update(body, snapshot, status)
+            if update is not None:
+                patch.status.update(update)
+            previous = snapshot.get("status") or {}
+            problem = new_problem(previous, status) if update is not None else None
             if problem is not None:  # a warning log and Kubernetes event, once
                 logger.warning("%s: %s", *problem)
                 kopf.warn(body, reason=problem[0], message=problem[1])
@@ -119,6 +126,25 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             *resource, registry=registry, id="resync",
             interval=config.resync_seconds, initial_delay=config.resync_seconds,
         )(resync(handle))  # fmt: skip
+
+
+def status_update(
+    live: Mapping[str, Any], snapshot: Mapping[str, Any], status: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The status to write after reconciling ``snapshot``, or None: when nothing changed, or
+    when the object was edited meanwhile (``live`` has a newer generation: its change
+    handler writes the status of what is now desired; a stale write would claim the new
+    generation was observed, or hide it from the resync timer)."""
+    if _generation(live) != _generation(snapshot):
+        return None
+    previous = snapshot.get("status") or {}
+    if all(previous.get(key) == value for key, value in status.items()):
+        return None
+    return status
+
+
+def _generation(body: Mapping[str, Any]) -> object:
+    return (body.get("metadata") or {}).get("generation")
 
 
 def new_problem(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.operator.handlers import new_problem
+from kvtier.operator.handlers import new_problem, status_update
 from kvtier.operator.main import build_parser, run
 
 
@@ -46,3 +46,24 @@ def test_namespaces_and_all_namespaces_exclude_each_other() -> None:
 def test_a_resync_period_must_be_positive() -> None:
     with pytest.raises(SystemExit):
         run(["--resync-seconds", "0"])
+
+
+def body(generation: int, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"generation": generation}, "status": status}
+
+
+def test_a_changed_status_is_written() -> None:
+    new = {"observedGeneration": 2, "tier": "shared"}
+    assert status_update(body(2), body(2, observedGeneration=1), new) == new
+
+
+def test_an_unchanged_status_is_not_written_again() -> None:
+    same = {"observedGeneration": 2, "tier": "shared"}
+    assert status_update(body(2), body(2, **same), same) is None
+
+
+def test_a_reconcile_of_a_generation_edited_meanwhile_writes_no_status() -> None:
+    # A resync timer reconciled generation 1 while an edit made generation 2: its status
+    # would describe the old spec (and hide generation 2 from later resyncs).
+    stale = {"observedGeneration": 1, "tier": "qwen-tier"}
+    assert status_update(body(2), body(1, observedGeneration=1), stale) is None
