@@ -258,7 +258,8 @@ def _ec_stats() -> dict[str, float]:
     return totals
 
 
-ENCODER_MODULES = ("visual", "vision_tower", "audio_tower")
+# The encoder's attribute path on vLLM's model, per architecture (Idefics3 nests its ViT).
+ENCODER_MODULES = ("visual", "vision_tower", "audio_tower", "model.vision_model")
 _ENCODER_CALLS = [0]
 _ENCODER_SECONDS = [0.0, 0.0]  # total, start of the running call
 
@@ -267,8 +268,10 @@ def _count_encoder_calls() -> None:
     """Forward hooks on the model's encoder: prove whether an engine ran it, and time it."""
     runner = _LLM.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     model = runner.model_runner.get_model()
-    for name in ENCODER_MODULES:
-        module = getattr(model, name, None)
+    for path in ENCODER_MODULES:
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
         if module is not None:
 
             def before(*_: Any) -> None:
