@@ -43,7 +43,9 @@ def wait_for_model_inspection(cache: Path, arch: Architecture, first: EngineProc
 
 
 class Engines:
-    """Engine A saves, engine B (another process) loads; both with the kvtier connector."""
+    """Two engine processes with the kvtier KV connector and the encoder-cache connector
+    on one tier. A stores its KV chunks zstd-compressed, B raw (the codec is in each
+    chunk's header: each engine reads the other's chunks)."""
 
     def __init__(self, arch: Architecture, a: EngineProcess, b: EngineProcess) -> None:
         self.arch, self.a, self.b = arch, a, b
@@ -57,6 +59,7 @@ def engines(
     arch: Architecture = request.param
     model = arch.build(recipes_dir / "models" / arch.page)
     config = {"target": recipes_tier.target, "chunk_size": CHUNK, **RELAXED}
+    codecs = {"a": "zstd", "b": "raw"}
     work = recipes_dir / "engines"
     started: list[EngineProcess] = []
     try:
@@ -68,7 +71,8 @@ def engines(
                     model,
                     work / f"{arch.page}-{name}",
                     name=name,
-                    extra_config=config,
+                    extra_config={**config, "codec": codecs[name]},
+                    ec_extra_config=config,
                     multimodal=True,
                     limit_mm_per_prompt=arch.mm_limits,
                     wait=False,

@@ -1,11 +1,19 @@
 """Every recipe architecture, end to end: a tiny random-weight model of the exact vLLM
-class, two real vLLM engine processes with the kvtier connector, one real tier.
+class, two real vLLM engine processes with the kvtier KV connector and the encoder-cache
+connector, one real tier.
 
-For each architecture the same item (image or audio clip) with the same text hits in the
-other process with output identical to the no-cache run, and another item with the same
-text reuses only the chunks before the item. The item sits in chunk 1, so "only the
-chunks before it" is exactly one chunk. A unique ``cache_salt`` gives the no-cache
-reference.
+For each architecture:
+
+- KV cache: the same item (image or audio clip) with the same text hits in the other
+  process with output identical to the no-cache run, both ways between an engine that
+  stores zstd-compressed chunks and one that stores them raw; another item with the same
+  text reuses only the chunks before the item. The item sits in chunk 1, so "only the
+  chunks before it" is exactly one chunk. A unique ``cache_salt`` gives the no-cache
+  reference.
+- Encoder cache: in a prompt shorter than one chunk (the KV connector has nothing to
+  load), an item another process encoded is loaded from the tier and this process's
+  encoder does not run (a forward hook counts its calls), with output identical to the
+  other process's no-cache run; another item runs the encoder.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.engine import EngineProcess, Output
 from tests.recipes.conftest import CHUNK, Engines
 from tests.tinymodels import prompt_text
 
@@ -22,16 +31,16 @@ pytestmark = pytest.mark.vllm
 MARGIN = 8  # tokens the item keeps from a chunk boundary, whatever the tokenizer does
 
 
-def prompt_with_item_in_chunk_1(engines: Engines) -> str:
+def prompt_with_item_in_chunk_1(engines: Engines, text_seed: int) -> str:
     """Text, one item, text: the item's placeholder span lies inside chunk 1, and the
     prompt has three full chunks."""
     arch, b = engines.arch, engines.b
     for words in range(80, 240, 5):
-        before = arch.prompt(prompt_text(words, seed=30))[: -len(arch.turn[1])]
+        before = arch.prompt(prompt_text(words, seed=text_seed))[: -len(arch.turn[1])]
         start = len(b.tokenize(before))
         if start >= CHUNK + MARGIN and start + arch.item_tokens + MARGIN <= 2 * CHUNK:
             return arch.prompt(
-                prompt_text(words, seed=30), arch.item_marker, prompt_text(250, seed=31)
+                prompt_text(words, seed=text_seed), arch.item_marker, prompt_text(250, seed=31)
             )
     raise AssertionError(f"no prefix length puts a {arch.page} item inside chunk 1")
 
@@ -44,22 +53,40 @@ def request(engines: Engines, prompt: str, seed: int, salt: str | None = None) -
     return message
 
 
-def test_same_item_hits_in_another_process_with_identical_output(engines: Engines) -> None:
-    prompt = prompt_with_item_in_chunk_1(engines)
-    (saved,) = engines.a.generate([request(engines, prompt, seed=1)])
-    assert saved.num_cached_tokens == 0  # nothing stored yet: A's run is a no-cache run
-    engines.a.flush()
+def saved_then_loaded(
+    engines: Engines, saver: EngineProcess, loader: EngineProcess, text_seed: int, seed: int
+) -> tuple[Output, Output, float]:
+    """``saver`` runs a prompt first (a no-cache run) and stores its chunks, then
+    ``loader`` runs it; returns both outputs and the bytes the loader read per chunk."""
+    prompt = prompt_with_item_in_chunk_1(engines, text_seed)
+    (saved,) = saver.generate([request(engines, prompt, seed)])
+    assert saved.num_cached_tokens == 0  # nothing stored yet: a no-cache run
+    saver.flush()
+    before = loader.stats()
+    (loaded,) = loader.generate([request(engines, prompt, seed)])
+    after = loader.stats()
+    chunks = after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0)
+    assert chunks > 0
+    return saved, loaded, (after.get("loaded_bytes", 0) - before.get("loaded_bytes", 0)) / chunks
 
-    (loaded,) = engines.b.generate([request(engines, prompt, seed=1)])
 
-    assert loaded.num_prompt_tokens > 3 * CHUNK
-    assert loaded.num_cached_tokens == loaded.num_prompt_tokens // CHUNK * CHUNK
-    assert loaded.token_ids == saved.token_ids
-    assert len(set(saved.token_ids)) > 1, "degenerate output would hide a wrong KV load"
+def test_same_item_hits_in_another_process_with_identical_output_zstd_and_raw(
+    engines: Engines,
+) -> None:
+    """A stores zstd chunks, B raw; each loads the other's, and zstd chunks are smaller."""
+    zstd = saved_then_loaded(engines, engines.a, engines.b, text_seed=30, seed=1)
+    raw = saved_then_loaded(engines, engines.b, engines.a, text_seed=38, seed=11)
+
+    for saved, loaded, _ in (zstd, raw):
+        assert loaded.num_prompt_tokens > 3 * CHUNK
+        assert loaded.num_cached_tokens == loaded.num_prompt_tokens // CHUNK * CHUNK
+        assert loaded.token_ids == saved.token_ids
+        assert len(set(saved.token_ids)) > 1, "degenerate output would hide a wrong KV load"
+    assert zstd[2] < raw[2]
 
 
 def test_other_item_with_same_text_reuses_only_chunks_before_it(engines: Engines) -> None:
-    prompt = prompt_with_item_in_chunk_1(engines)
+    prompt = prompt_with_item_in_chunk_1(engines, text_seed=34)
     engines.a.generate([request(engines, prompt, seed=2)])
     engines.a.flush()
 
@@ -84,3 +111,45 @@ def test_hybrid_kv_cache_manager_is_off_exactly_for_sliding_window_models(
         log = engine.log.read_text(errors="replace")
         assert "Turning off hybrid kv cache manager" in log
         assert (HYBRID_OFF in log) == engines.arch.sliding_window
+
+
+# -- the encoder cache -------------------------------------------------------------
+
+
+def short_prompt(engines: Engines) -> str:
+    """Text, one item, text, in fewer tokens than one chunk: no KV chunk to load."""
+    arch = engines.arch
+    return arch.prompt(prompt_text(20, seed=40), arch.item_marker, prompt_text(10, seed=41))
+
+
+def test_item_encoded_in_another_process_is_loaded_without_running_the_encoder(
+    engines: Engines,
+) -> None:
+    a, b = engines.a, engines.b
+    prompt = short_prompt(engines)
+    calls, hits = a.encoder_calls(), a.ec_stats().get("hits", 0)
+    (encoded,) = a.generate([request(engines, prompt, seed=21)])
+    assert a.encoder_calls() > calls  # A's run is the no-cache run: its encoder ran
+    assert a.ec_stats().get("hits", 0) == hits
+    a.ec_flush()
+    calls, hits = b.encoder_calls(), b.ec_stats().get("hits", 0)
+
+    (loaded,) = b.generate([request(engines, prompt, seed=21)])
+
+    assert loaded.num_prompt_tokens < CHUNK and loaded.num_cached_tokens == 0
+    assert b.encoder_calls() == calls
+    assert b.ec_stats().get("hits", 0) == hits + 1
+    assert loaded.token_ids == encoded.token_ids
+
+
+def test_another_item_misses_the_encoder_cache_and_runs_the_encoder(engines: Engines) -> None:
+    a, b = engines.a, engines.b
+    prompt = short_prompt(engines)
+    a.generate([request(engines, prompt, seed=22)])
+    a.ec_flush()
+    calls, hits = b.encoder_calls(), b.ec_stats().get("hits", 0)
+
+    b.generate([request(engines, prompt, seed=23)])
+
+    assert b.encoder_calls() > calls
+    assert b.ec_stats().get("hits", 0) == hits

@@ -5,6 +5,7 @@ with Sphinx, warnings as errors."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -23,6 +24,7 @@ CRDS = ROOT / "operator" / "crds"
 NOT_RECIPES = {"index", "contributing"}
 ENGINES = ("vLLM", "SGLang", "TRT-LLM")
 CHECK, DASH = "✓", "—"
+ARCHITECTURE_TESTS = "tests/recipes/test_architectures.py"
 
 
 def table_rows() -> list[dict[str, str]]:
@@ -133,6 +135,58 @@ def test_page_has_every_section_and_says_what_was_run(arch: Any) -> None:
     assert f".. literalinclude:: {arch.page}.yaml" in text
     assert f"kubectl -n <namespace> apply -f recipes/{arch.page}.yaml" in text
     assert "Real checkpoints run: none." in text
-    assert "Encoder-output cache: not validated yet (issue #11)." in text
     for engine in ("SGLang", "TRT-LLM"):
         assert f"{engine}\n{'-' * len(engine)}\n\nNot validated." in text
+
+
+def cited_tests(text: str) -> list[tuple[str, str]]:
+    """The ``tests/<file>.py::<function>`` references in a page."""
+    return re.findall(r"``(tests/[\w/]+\.py)::(\w+)``", text)
+
+
+def per_architecture_tests() -> set[str]:
+    """The functions of test_architectures.py that take the ``engines`` fixture, which
+    runs them once per entry of ARCHITECTURES."""
+    tree = ast.parse((ROOT / ARCHITECTURE_TESTS).read_text())
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and "engines" in [a.arg for a in node.args.args]
+    }
+
+
+def test_every_test_a_page_cites_exists() -> None:
+    for page in sorted(recipe_pages() | NOT_RECIPES):
+        for path, name in cited_tests((RECIPES / f"{page}.rst").read_text()):
+            source = ROOT / path
+            assert source.exists(), f"{page}: no {path}"
+            assert re.search(rf"^def {name}\(", source.read_text(), re.M), (
+                f"{page}: no {path}::{name}"
+            )
+
+
+def section(text: str, title: str) -> str:
+    return text.split(f"{title}\n{'-' * len(title)}\n", 1)[1].split("\n-----", 1)[0]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.page)
+def test_validated_codecs_and_encoder_cache_cite_a_test_that_runs_every_architecture(
+    arch: Any,
+) -> None:
+    """A ✓ in the compression table or on the encoder-output cache names the test behind
+    it, and that test runs once per architecture (it takes the ``engines`` fixture)."""
+    text = (RECIPES / f"{arch.page}.rst").read_text()
+    rows = section(text, "Compression").split("   * - ")[2:]  # after the header row
+    validated = [row for row in rows if "✓ validated" in row]
+    assert [row.split("\n")[0] for row in validated] == [
+        "uncompressed (``codec: raw``, default)",
+        "zstd (``codec: zstd``, level 1)",
+    ]
+    zstd_tests = {name for path, name in cited_tests(validated[1]) if path == ARCHITECTURE_TESTS}
+    assert zstd_tests and zstd_tests <= per_architecture_tests()
+    (encoder_cache,) = [
+        line for line in section(text, "Caveats").split("\n- ") if "Encoder-output cache" in line
+    ]
+    assert encoder_cache.lstrip("- ").startswith("Encoder-output cache: ✓ validated")
+    ec_tests = {name for path, name in cited_tests(encoder_cache) if path == ARCHITECTURE_TESTS}
+    assert len(ec_tests) == 2 and ec_tests <= per_architecture_tests()
