@@ -4,7 +4,7 @@
 project = "kvtier recipes"
 author = "kvtier"
 root_doc = "index"
-extensions: list[str] = []
+extensions = ["sphinx_design"]  # tab-set: one tab per engine on every recipe page
 exclude_patterns = ["_build"]
 html_theme = "alabaster"
 html_title = "kvtier recipes"

@@ -129,14 +129,23 @@ def test_yaml_deploys_the_tested_class_with_its_modality(arch: Any) -> None:
 @pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.page)
 def test_page_has_every_section_and_says_what_was_run(arch: Any) -> None:
     text = (RECIPES / f"{arch.page}.rst").read_text()
-    for section in ("Validated models", *ENGINES, "CacheBlend", "Compression", "Caveats"):
-        assert re.search(rf"^{re.escape(section)}\n-+$", text, re.M), f"no {section} section"
+    for title in ("Validated models", "Engines", "CacheBlend", "Compression", "Caveats"):
+        assert re.search(rf"^{re.escape(title)}\n-+$", text, re.M), f"no {title} section"
     assert f"``{arch.vllm_class}``" in text
     assert f".. literalinclude:: {arch.page}.yaml" in text
     assert f"kubectl -n <namespace> apply -f recipes/{arch.page}.yaml" in text
     assert "Real checkpoints run: none." in text
-    for engine in ("SGLang", "TRT-LLM"):
-        assert f"{engine}\n{'-' * len(engine)}\n\nNot validated." in text
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.page)
+def test_engines_section_has_one_tab_per_engine_and_only_vllm_is_validated(arch: Any) -> None:
+    engines = section((RECIPES / f"{arch.page}.rst").read_text(), "Engines")
+    assert engines.lstrip().startswith(".. tab-set::")
+    tabs = re.split(r"^   \.\. tab-item:: (.+)\n", engines, flags=re.M)[1:]
+    bodies = dict(zip(tabs[::2], (body.strip() for body in tabs[1::2]), strict=True))
+    assert list(bodies) == list(ENGINES)
+    assert "kvtier server" in bodies["vLLM"] and "--kv-transfer-config" in bodies["vLLM"]
+    assert bodies["SGLang"] == bodies["TRT-LLM"] == "Not validated."
 
 
 def cited_tests(text: str) -> list[tuple[str, str]]:
@@ -166,7 +175,9 @@ def test_every_test_a_page_cites_exists() -> None:
 
 
 def section(text: str, title: str) -> str:
-    return text.split(f"{title}\n{'-' * len(title)}\n", 1)[1].split("\n-----", 1)[0]
+    """The body of the page's section ``title``, up to the next section's title."""
+    body = text.split(f"{title}\n{'-' * len(title)}\n", 1)[1]
+    return re.split(r"^[^\n]+\n-{3,}$", body, maxsplit=1, flags=re.M)[0]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.page)
