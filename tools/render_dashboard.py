@@ -4,8 +4,9 @@ Grafana cannot be installed here, so this runs each panel's own queries against 
 real Prometheus and draws them with matplotlib, laid out on the dashboard's grid.
 Two steps, because matplotlib is not part of the project's venv:
 
-    # 1. collect (project venv): a tier, vLLM with the connector and Prometheus, under
-    #    a few minutes of mixed traffic; every panel's query_range saved as JSON
+    # 1. collect (project venv): a tier, vLLM (a tiny Qwen2.5-VL) with the KV and the
+    #    encoder-cache connectors and Prometheus, under a few minutes of mixed text and
+    #    image traffic; every panel's query_range saved as JSON
     .venv/bin/python -P tools/render_dashboard.py collect /tmp/kvtier-overview.json
 
     # 2. plot (any Python with matplotlib==3.10.7, e.g. a throw-away venv)
@@ -35,25 +36,39 @@ def collect(out: Path, seconds: float) -> None:
     from tests.observability.procs import Prometheus, VllmServer
     from tests.observability.queries import concrete, dashboards
     from tests.tierproc import TierProcess
-    from tests.tinymodels import build_text_model, prompt_text
+    from tests.tinymodels import build_vl_model, prompt_text
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-render-"))
     # A small RAM tier: evictions, then disk hits and promotions show up.
     tier = TierProcess.start(work / "tier", "--ram-bytes", "4MiB")
     engine = prom = None
     try:
-        engine = VllmServer.start(build_text_model(work / "model"), work / "vllm", tier.target, model_name="tiny-qwen2")
+        # A tiny Qwen2.5-VL with both connectors (KV and encoder output), so the
+        # encoder-cache panel has data too.
+        engine = VllmServer.start(
+            build_vl_model(work / "model"), work / "vllm", tier.target, model_name="tiny-qwen2-5-vl", encoder_cache=True
+        )
         prom = Prometheus.start(work / "prometheus", {"kvtier": tier.metrics_url, "vllm": engine.metrics_url})
         prom.wait_scraped("kvtier_server_serving")
         start = time.time()
         rng = random.Random(0)
         seen: list[int] = []
+        images = 0
         while time.time() - start < seconds:
-            # Mostly repeats of earlier prompts (hits), some new ones (misses).
-            seed = rng.choice(seen) if seen and rng.random() < 0.7 else len(seen)
-            if seed == len(seen):
-                seen.append(seed)
-            engine.complete(prompt_text(rng.choice((300, 600, 900)), seed=seed))
+            if rng.random() < 0.5:
+                # Text: mostly repeats of earlier prompts (hits), some new ones (misses).
+                seed = rng.choice(seen) if seen and rng.random() < 0.7 else len(seen)
+                if seed == len(seen):
+                    seen.append(seed)
+                engine.complete(prompt_text(rng.choice((300, 600, 900)), seed=seed))
+            else:
+                # One picture and a short question (no full KV chunk): mostly pictures
+                # seen before. A repeat still in vLLM's own encoder cache is asked of the
+                # tier but served from there (a lookup, not a hit); older ones load from
+                # the tier (hits).
+                image = rng.randrange(images) if images and rng.random() < 0.7 else images
+                images = max(images, image + 1)
+                engine.chat(prompt_text(rng.choice((10, 40)), seed=1000 + image), image_seed=image)
         time.sleep(3)
         end = time.time()
         panels = []

@@ -10,6 +10,8 @@ Both are stopped by PID.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import subprocess
@@ -24,7 +26,7 @@ from typing import Any
 
 from tests.redisprocs import free_port
 
-VLLM_START_TIMEOUT_S = 300.0
+VLLM_START_TIMEOUT_S = 600.0  # minutes on a busy 2-core machine
 PROMETHEUS_START_TIMEOUT_S = 60.0
 # Generous connector deadlines: hits are what is asserted, on a busy 2-core machine.
 RELAXED = {"lookup_timeout_s": 10.0, "load_timeout_s": 20.0, "save_timeout_s": 20.0}
@@ -118,10 +120,26 @@ class VllmServer:
 
     def complete(self, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return self._post("/v1/completions", body)
+
+    def chat(self, text: str, image_seed: int, max_tokens: int = 4) -> dict[str, Any]:
+        """A chat turn with one picture (224x224 random pixels drawn from ``image_seed``,
+        sent as a PNG: the same seed is the same file, so the same multimodal hash)."""
+        content = [
+            {"type": "image_url", "image_url": {"url": png_data_url(image_seed)}},
+            {"type": "text", "text": text},
+        ]
+        body = {
+            "model": self.model_name,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        return self._post("/v1/chat/completions", body)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=120) as r:
             result: dict[str, Any] = json.loads(r.read())
@@ -129,6 +147,16 @@ class VllmServer:
 
     def stop(self) -> None:
         _stop(self.proc)
+
+
+def png_data_url(seed: int) -> str:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @dataclass
