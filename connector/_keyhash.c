@@ -145,6 +145,8 @@ chain(PyObject *module, PyObject *args)
     }
     int sha = strcmp(algo, "sha256") == 0;
     PyObject *keys = NULL;
+    PyObject **fields = NULL;
+    unsigned char *out = NULL;
     SHA256_CTX sha_base;
     XXH3_state_t *xxh_base = NULL, *xxh_state = NULL;
     if (!sha && strcmp(algo, "xxh3_128") != 0) {
@@ -170,46 +172,66 @@ chain(PyObject *module, PyObject *args)
         XXH3_128bits_reset(xxh_base);
         XXH3_128bits_update(xxh_base, prefix.buf, (size_t)prefix.len);
     }
+    /* With the GIL: each chunk's items field (a new reference, or NULL for none). */
     Py_ssize_t count = data.len / chunk_bytes;
-    keys = PyList_New(count);
-    if (keys == NULL) {
+    fields = PyMem_Calloc((size_t)count + 1, sizeof(PyObject *));
+    out = PyMem_Malloc(((size_t)count + 1) * MAX_KEY);
+    if (fields == NULL || out == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    unsigned char key[MAX_KEY];
-    memcpy(key, parent.buf, (size_t)parent.len);
-    size_t key_size = (size_t)parent.len;
     for (Py_ssize_t k = 0; k < count; k++) {
-        chunk_input in = {(uint8_t)key_size, key, key_size, "\0\0", 2,
-                          (const char *)data.buf + k * chunk_bytes, (size_t)chunk_bytes};
         PyObject *index = PyLong_FromSsize_t(first + k);
         if (index == NULL) {
-            Py_CLEAR(keys);
             goto done;
         }
         PyObject *field = PyDict_GetItemWithError(extras, index); /* borrowed */
         Py_DECREF(index);
         if (field == NULL && PyErr_Occurred()) {
-            Py_CLEAR(keys);
             goto done;
         }
-        if (field != NULL) {
-            if (!PyBytes_Check(field)) {
-                PyErr_SetString(PyExc_TypeError, "extras values must be bytes");
-                Py_CLEAR(keys);
-                goto done;
-            }
-            in.extras = PyBytes_AS_STRING(field);
-            in.extras_size = (size_t)PyBytes_GET_SIZE(field);
+        if (field != NULL && !PyBytes_Check(field)) {
+            PyErr_SetString(PyExc_TypeError, "extras values must be bytes");
+            goto done;
         }
-        key_size = sha ? chain_sha256(&sha_base, &in, key) : chain_xxh3(xxh_base, xxh_state, &in, key);
-        PyObject *value = PyBytes_FromStringAndSize((const char *)key, (Py_ssize_t)key_size);
+        Py_XINCREF(field);
+        fields[k] = field;
+    }
+    /* Without the GIL: the hashing (the bytes are the caller's own, and exported). */
+    size_t key_size = (size_t)parent.len;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *prev = parent.buf;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        unsigned char *key = out + k * MAX_KEY;
+        chunk_input in = {(uint8_t)key_size, prev, key_size, "\0\0", 2,
+                          (const char *)data.buf + k * chunk_bytes, (size_t)chunk_bytes};
+        if (fields[k] != NULL) {
+            in.extras = PyBytes_AS_STRING(fields[k]);
+            in.extras_size = (size_t)PyBytes_GET_SIZE(fields[k]);
+        }
+        key_size = sha ? chain_sha256(&sha_base, &in, key)
+                       : chain_xxh3(xxh_base, xxh_state, &in, key);
+        prev = key;
+    }
+    Py_END_ALLOW_THREADS
+    keys = PyList_New(count);
+    for (Py_ssize_t k = 0; keys != NULL && k < count; k++) {
+        PyObject *value = PyBytes_FromStringAndSize((const char *)out + k * MAX_KEY,
+                                                    (Py_ssize_t)key_size);
         if (value == NULL) {
             Py_CLEAR(keys);
-            goto done;
+            break;
         }
         PyList_SET_ITEM(keys, k, value);
     }
 done:
+    if (fields != NULL) {
+        for (Py_ssize_t k = 0; k < data.len / chunk_bytes; k++) {
+            Py_XDECREF(fields[k]);
+        }
+    }
+    PyMem_Free(fields);
+    PyMem_Free(out);
     XXH3_freeState(xxh_base);
     XXH3_freeState(xxh_state);
     PyBuffer_Release(&prefix);
