@@ -8,7 +8,8 @@
  *   chain(algo, prefix, parent, data, chunk_bytes, first, extras) -> list[bytes]
  *       chunk k of data gets the key  H(prefix || u8 len(parent) || parent
  *                                         || extras.get(first + k, b"\0\0") || chunk k)
- *       and becomes the next chunk's parent; algo is "sha256" or "xxh3_128".
+ *       and becomes the next chunk's parent; algo is "sha256" or "xxh3_128". The
+ *       hashing itself runs without the GIL.
  *
  * Build: setuptools, from pyproject.toml (libcrypto, and the xxhash.h header of
  * Debian's libxxhash-dev, used inline).
