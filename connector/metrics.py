@@ -10,6 +10,8 @@ vLLM adds its ``model_name``/``engine`` labels. This module does not import vLLM
 Series (counters get ``_total``)::
 
     kvtier_connector_lookups_total                    Lookup round trips
+    kvtier_connector_lookup_chunks_total              full prompt chunks Lookup asked about
+    kvtier_connector_lookup_hit_chunks_total          of those, the leading ones the tier held
     kvtier_connector_requested_tokens_total           prompt tokens asked about
     kvtier_connector_hit_tokens_total                 tokens the tier could serve
     kvtier_connector_loaded_chunks_total / _loaded_bytes_total
@@ -43,6 +45,8 @@ Stats = dict[str, Any]
 COUNTERS: Final[dict[str, tuple[str, str | None]]] = {
     # stat name: (documentation, label name or None)
     "lookups": ("Lookup round trips from the scheduler to the tier.", None),
+    "lookup_chunks": ("Full prompt chunks asked about by successful Lookups.", None),
+    "lookup_hit_chunks": ("Leading chunks those Lookups found in the tier.", None),
     "requested_tokens": ("Prompt tokens beyond the local prefix cache asked of the tier.", None),
     "hit_tokens": ("Prompt tokens the tier could serve (block-aligned).", None),
     "loaded_chunks": ("Chunks loaded from the tier into KV blocks.", None),

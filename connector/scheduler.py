@@ -204,9 +204,12 @@ class KvtierScheduler:
             logger.warning("kvtier: Lookup failed (%s); recomputing", exc)
             return 0
         self._breaker.success()
+        found = max(0, min(found, len(keys)))
         self._recorder.count("lookups")
+        self._recorder.count("lookup_chunks", len(keys))
+        self._recorder.count("lookup_hit_chunks", found)
         self._recorder.observe("lookup_seconds", time.perf_counter() - started)
-        return max(0, min(found, len(keys)))
+        return found
 
     def _plan(self, plan: StepPlan, req_id: str, state: _RequestState, computed: int) -> None:
         """Add this step's load (if one was promised) and newly completed saves."""

@@ -85,6 +85,18 @@ def test_hit_is_whole_chunks_and_one_lookup() -> None:
     assert recorder.total("hit_tokens") == 512
 
 
+def test_lookup_counts_the_chunks_asked_and_the_leading_chunks_found() -> None:
+    scheduler, recorder = make_scheduler(FakeTier(held=2))
+    scheduler.get_num_new_matched_tokens(request(1000), 0)  # 3 full chunks, 2 held
+    assert (recorder.total("lookup_chunks"), recorder.total("lookup_hit_chunks")) == (3, 2)
+
+
+def test_a_failed_lookup_counts_no_chunks() -> None:
+    scheduler, recorder = make_scheduler(FakeTier(fail=True))
+    scheduler.get_num_new_matched_tokens(request(1000), 0)
+    assert (recorder.total("lookup_chunks"), recorder.total("lookup_hit_chunks")) == (0, 0)
+
+
 def test_full_hit_leaves_the_last_block_to_compute() -> None:
     scheduler, _ = make_scheduler(FakeTier(held=2))
     assert scheduler.get_num_new_matched_tokens(request(512), 0) == (384, False)

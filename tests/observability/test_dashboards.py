@@ -92,6 +92,7 @@ def test_overview_shows_what_the_issue_asks_for() -> None:
     assert {
         "Token hit rate per model",
         "Chunk hit rate",
+        "Chunk hit rate per model",
         "Get hit rate per tier",
         "Prefill tokens served from cache per model",
         "Connector bytes loaded and saved",
