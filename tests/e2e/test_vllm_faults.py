@@ -190,3 +190,20 @@ def test_saves_beyond_the_queue_are_dropped_and_counted_while_the_tier_is_frozen
     # 12 chunks offered; at most one more fits each time a Put gives up (2 s deadline).
     assert stats.get("saves_dropped:queue_full", 0) >= 6
     assert stats.get("saved_chunks", 0) == 0
+
+
+def test_engine_started_while_no_tier_listens_serves_every_request_by_recomputing(
+    text_model: Path, start_engine, writer, healthy
+) -> None:
+    from tests.redisprocs import free_port
+
+    config = {"target": f"127.0.0.1:{free_port()}", **FAST_FAULTS}  # nothing listens there
+    engine = start_engine(text_model, name="no-tier", extra_config=config)
+    prompt, expected = computed_by_writer(writer, seed=30)
+
+    outs = engine.generate([prompt, prompt])
+
+    assert [o.token_ids for o in outs] == [expected, expected]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert engine.stats().get("errors:lookup", 0) >= 1
+    assert "not reachable at start" in engine.log.read_text()
