@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import tierpeers
-from bench.tierpeers import BACKENDS, ROOT, Backend
+from bench.tierpeers import BACKENDS, EXPERIMENTS, ROOT, Backend
 
 MIB = 1 << 20
 OPS = ("GET", "PUT")
@@ -340,8 +340,8 @@ def run(args: argparse.Namespace) -> Results:
     clients = [int(k) for k in args.clients.split(",")]
     backends = [b.strip() for b in args.backends.split(",")] if args.backends else list(BACKENDS)
     for b in backends:
-        if b not in BACKENDS:
-            known = ", ".join(BACKENDS)
+        if b not in BACKENDS + EXPERIMENTS:
+            known = ", ".join(BACKENDS + EXPERIMENTS)
             raise SystemExit(f"--backends: unknown backend {b!r}; known: {known}")
     config = {"sizes_mib": sizes, "clients": clients, "rounds": args.repeat, "backends": backends,
               "batch_mib": args.batch_mib, "mib_per_client": args.mib_per_client,
@@ -432,7 +432,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backends",
         default="",
-        help=f"comma-separated, of: {', '.join(BACKENDS)} (default: all)",
+        help=f"comma-separated, of: {', '.join(BACKENDS)} (default: all); "
+        f"experiments, run only when named: {', '.join(EXPERIMENTS)}",
     )
     p.add_argument(
         "--batch-mib",

@@ -20,6 +20,10 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
   give the RAM tier 1 byte (every value lands in and is read from the lower
   tier) and write through, so a PUT returns once the lower tier holds the value.
 - ``kvtier RAM gRPC``: the same RAM tier with values over gRPC (no data port).
+
+An experiment, run only when ``--backends`` names it: ``kvtier RAM no-recycle``,
+the RAM tier with ``--ram-recycle-bytes 0`` (every PUT receives into fresh
+memory), the baseline of the RAM tier's recycled buffers.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ BACKENDS = (
     "kvtier disk",
     "kvtier Redis",
 )
+EXPERIMENTS = ("kvtier RAM no-recycle",)  # run only when named in --backends
 
 
 def free_port() -> int:
@@ -153,8 +158,10 @@ def start_backend(
              "--tier-timeout", "60s", "--grace-period", "1s"]  # fmt: skip
     if b.kind == "kvtier":
         flags += ["--data-port", str(free_port())]
-    if name in ("kvtier RAM", "kvtier RAM gRPC"):
+    if name in ("kvtier RAM", "kvtier RAM gRPC", "kvtier RAM no-recycle"):
         flags += ["--ram-bytes", "8GiB", "--disk-bytes", "0"]
+        if name == "kvtier RAM no-recycle":
+            flags += ["--ram-recycle-bytes", "0"]
     elif name == "kvtier disk":
         flags += ["--ram-bytes", "1", "--disk-dir", str(directory / "disk"),
                   "--disk-bytes", "16GiB", "--write-policy", "write-through"]  # fmt: skip
@@ -163,7 +170,7 @@ def start_backend(
         flags += ["--ram-bytes", "1", "--disk-bytes", "0", "--write-policy", "write-through",
                   "--redis-url", f"redis://127.0.0.1:{redis_port}", "--redis-timeout", "60s"]  # fmt: skip
     else:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS + EXPERIMENTS)}")
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     # kvtier.cli's main, with extra channel arguments appended to the server's own.
     code = ("import sys; import kvtier.cacheserver.server as s; base = s.grpc_options; "
