@@ -63,7 +63,11 @@ class RamTier:
             self._forget(key)
         if self.lru.used + size + self.pool.bytes > self.lru.capacity_bytes:
             self.pool.keep_only(size)  # a full tier keeps no buffers of sizes nobody puts now
-        recyclable = isinstance(data, memoryview) and isinstance(data.obj, bytearray)
+        recyclable = (  # a whole received buffer: its own buffer may come back to the pool
+            isinstance(data, memoryview)
+            and isinstance(data.obj, bytearray)
+            and data.nbytes == len(data.obj)
+        )
         reserve = self.pool.bytes + (size if recyclable and self.pool.wants(size) else 0)
         for victim in self.lru.admit(key, size, reserve):
             self._forget(victim)

@@ -195,3 +195,13 @@ async def test_tenant_quotas_never_evict_another_tenant_to_keep_buffers() -> Non
     await ram.put(scoped("b", b"k2"), received(os.urandom(2 * MIB)))  # full: b makes room from its own
     assert await ram.contains(a) == [True, True]
     assert ram.lru.used + ram.pool.bytes <= 8 * MIB
+
+
+async def test_a_value_that_is_part_of_a_larger_buffer_evicts_nothing_for_the_pool() -> None:
+    ram = RamTier(8 * MIB, recycle_bytes=2 * MIB)
+    for i in range(3):
+        await ram.put(b"k%d" % i, received(value(2 * MIB, i)))
+    record = bytearray(24 + 2 * MIB)  # as the disk tier reads a record: header, then the value
+    await ram.put(b"promoted", memoryview(record)[24:].toreadonly())
+    assert await ram.contains([b"k0", b"k1", b"k2", b"promoted"]) == [True] * 4
+    assert ram.counters.evictions == 0
