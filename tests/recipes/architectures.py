@@ -18,6 +18,7 @@ from tests.tinymodels import (
     build_idefics3_model,
     build_llava_model,
     build_mistral3_model,
+    build_qwen2_5_omni_model,
     build_qwen2_audio_model,
     build_qwen2_vl_model,
     build_vl_model,
@@ -34,6 +35,12 @@ class Architecture:
     item_tokens: int  # placeholder tokens one test item expands to
     turn: tuple[str, str]  # the text around the user's message
     sliding_window: bool = False  # the decoder interleaves sliding-window and full attention
+    config_class: str = ""  # config.json's architecture, where it is not vllm_class
+
+    @property
+    def hf_architecture(self) -> str:
+        """What the model's config.json (and the recipe YAML) names."""
+        return self.config_class or self.vllm_class
 
     def prompt(self, *parts: str) -> str:
         return self.turn[0] + "".join(parts) + self.turn[1]
@@ -115,6 +122,16 @@ ARCHITECTURES = [
         item_marker="<image>",
         item_tokens=19,  # <fake_token_around_image><global-img>, 16 <image>, <fake_token...>
         turn=("<|im_start|>User:", "<end_of_utterance>\nAssistant:"),
+    ),
+    Architecture(
+        page="qwen2_5_omni",
+        vllm_class="Qwen2_5OmniThinkerForConditionalGeneration",
+        config_class="Qwen2_5OmniModel",
+        build=build_qwen2_5_omni_model,
+        modality="image",
+        item_marker="<|vision_bos|><|IMAGE|><|vision_eos|>",
+        item_tokens=64,
+        turn=QWEN_TURN,
     ),
 ]
 

@@ -121,7 +121,7 @@ def test_yaml_validates_against_the_modelrecipe_crd(arch: Any) -> None:
 def test_yaml_deploys_the_tested_class_with_its_modality(arch: Any) -> None:
     (document,) = yaml.safe_load_all((RECIPES / f"{arch.page}.yaml").read_text())
     model = document["spec"]["model"]
-    assert model["architecture"] == arch.vllm_class
+    assert model["architecture"] == arch.hf_architecture
     assert arch.modality in model["modalities"]
     assert document["spec"]["engine"]["kind"] == "vllm"
 

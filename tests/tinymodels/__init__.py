@@ -13,7 +13,8 @@ One builder per further recipe architecture, each the exact class vLLM serves:
 and a full-attention layer) and ``build_qwen2_audio_model``
 (``Qwen2AudioForConditionalGeneration``, 16 kHz audio), ``build_mistral3_model``
 (``Mistral3ForConditionalGeneration``, Pixtral ViT + Mistral), ``build_idefics3_model``
-(``Idefics3ForConditionalGeneration``, SmolVLM's class). All take ``(out, seed=0)`` and
+(``Idefics3ForConditionalGeneration``, SmolVLM's class), ``build_qwen2_5_omni_model``
+(Qwen2.5-Omni's thinker, ``Qwen2_5OmniThinkerForConditionalGeneration``). All take ``(out, seed=0)`` and
 return ``out``.
 """
 
@@ -22,6 +23,7 @@ from .build import (
     build_idefics3_model,
     build_llava_model,
     build_mistral3_model,
+    build_qwen2_5_omni_model,
     build_qwen2_audio_model,
     build_qwen2_vl_model,
     build_text_model,
@@ -34,6 +36,7 @@ __all__ = [
     "build_idefics3_model",
     "build_llava_model",
     "build_mistral3_model",
+    "build_qwen2_5_omni_model",
     "build_qwen2_audio_model",
     "build_qwen2_vl_model",
     "build_text_model",

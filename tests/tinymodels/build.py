@@ -138,6 +138,59 @@ def build_text_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
+# Qwen2.5-VL's vision transformer, tiny (Qwen2.5-Omni's thinker has the same one).
+QWEN2_5_VIT: dict[str, object] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "out_hidden_size": 128,
+    "fullatt_block_indexes": [1],
+    "window_size": 112,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "initializer_range": 0.25,
+}
+# Multimodal RoPE (Qwen2-VL and later) for head size 64: sections of the 32 rotary pairs.
+MROPE_PARAMETERS: dict[str, object] = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "mrope_section": [8, 12, 12],
+}
+# Qwen2-VL's image processor (14 px patches, 2x2 merge), also Qwen2.5-VL's and Qwen2.5-Omni's.
+QWEN_IMAGE_PROCESSOR: dict[str, object] = {
+    # transformers' PIL backend: needs no torchvision (uninstalled here, see docs/connector.md).
+    "image_processor_type": "Qwen2VLImageProcessorPil",
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "rescale_factor": 1 / 255,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "min_pixels": 3136,
+    "max_pixels": 1003520,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+# A Whisper feature extractor for 16 kHz audio (Qwen2-Audio's and Qwen2.5-Omni's).
+WHISPER_FEATURES: dict[str, object] = {
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "sampling_rate": 16000,
+    "hop_length": 160,
+    "chunk_length": 30,
+    "n_fft": 400,
+    "n_samples": 480000,
+    "nb_max_frames": 3000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+}
+
+
 def build_vl_model(out: Path, seed: int = 0) -> Path:
     """A tiny Qwen2_5_VLForConditionalGeneration (ViT depth 2) in ``out``.
 
@@ -152,26 +205,10 @@ def build_vl_model(out: Path, seed: int = 0) -> Path:
     ids = _write_tokenizer(out)
     torch.manual_seed(seed)
     text = _text_config_kwargs(ids)
-    text["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [8, 12, 12],
-    }
+    text["rope_parameters"] = dict(MROPE_PARAMETERS)
     config = Qwen2_5_VLConfig(
         text_config=text,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "out_hidden_size": 128,
-            "fullatt_block_indexes": [1],
-            "window_size": 112,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "initializer_range": 0.25,
-        },
+        vision_config=dict(QWEN2_5_VIT),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -181,23 +218,7 @@ def build_vl_model(out: Path, seed: int = 0) -> Path:
     config.dtype = torch.bfloat16
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(str(out))
-    preprocessor = {
-        # transformers' PIL backend: needs no torchvision (uninstalled here, see docs/connector.md).
-        "image_processor_type": "Qwen2VLImageProcessorPil",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "min_pixels": 3136,
-        "max_pixels": 1003520,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-    }
+    preprocessor = {**QWEN_IMAGE_PROCESSOR, "processor_class": "Qwen2_5_VLProcessor"}
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     (out / ".complete").touch()
     return out
@@ -246,11 +267,7 @@ def build_qwen2_vl_model(out: Path, seed: int = 0) -> Path:
     ids = _write_tokenizer(out)
     torch.manual_seed(seed)
     text = _text_config_kwargs(ids)
-    text["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [8, 12, 12],
-    }
+    text["rope_parameters"] = dict(MROPE_PARAMETERS)
     config = Qwen2VLConfig(
         text_config=text,
         vision_config={
@@ -526,20 +543,7 @@ def build_qwen2_audio_model(out: Path, seed: int = 0) -> Path:
     _write_json(
         out,
         "preprocessor_config.json",
-        {
-            "feature_extractor_type": "WhisperFeatureExtractor",
-            "processor_class": "Qwen2AudioProcessor",
-            "feature_size": 128,
-            "sampling_rate": 16000,
-            "hop_length": 160,
-            "chunk_length": 30,
-            "n_fft": 400,
-            "n_samples": 480000,
-            "nb_max_frames": 3000,
-            "padding_side": "right",
-            "padding_value": 0.0,
-            "return_attention_mask": True,
-        },
+        {**WHISPER_FEATURES, "processor_class": "Qwen2AudioProcessor"},
     )
     (out / ".complete").touch()
     return out
@@ -694,6 +698,87 @@ def build_idefics3_model(out: Path, seed: int = 0) -> Path:
     )
     _write_json(
         out, "processor_config.json", {"processor_class": "Idefics3Processor", "image_seq_len": 16}
+    )
+    (out / ".complete").touch()
+    return out
+
+
+QWEN2_5_OMNI_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+]
+
+
+def build_qwen2_5_omni_model(out: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2.5-Omni whose thinker vLLM serves as
+    Qwen2_5OmniThinkerForConditionalGeneration (config.json: ``Qwen2_5OmniModel``, no
+    talker): the Qwen2.5-VL ViT and decoder above plus a 2-layer Whisper-style audio
+    encoder. A 224x224 image is 64 ``<|IMAGE|>`` tokens, inside
+    ``<|vision_bos|>...<|vision_eos|>``.
+    """
+    if _done(out):
+        return out
+    import torch
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = {
+        "image_token": "<|IMAGE|>",
+        "audio_token": "<|AUDIO|>",
+        "video_token": "<|VIDEO|>",
+        "vision_bos_token": "<|vision_bos|>",
+        "vision_eos_token": "<|vision_eos|>",
+        "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>",
+    }
+    ids = _write_tokenizer(out, QWEN2_5_OMNI_TOKENS, chat_template=None, **names)
+    torch.manual_seed(seed)
+    text = _text_config_kwargs(ids)
+    text["rope_parameters"] = dict(MROPE_PARAMETERS)
+    thinker = {
+        "text_config": text,
+        "vision_config": dict(QWEN2_5_VIT),
+        "audio_config": {
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "d_model": 64,
+            "output_dim": 128,
+            "max_source_positions": 1500,
+            "n_window": 100,
+            "initializer_range": 0.25,
+        },
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        "user_token_id": ids["<|im_start|>"],
+        "initializer_range": 0.25,
+        "tie_word_embeddings": False,
+    }
+    config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
+    config.architectures = ["Qwen2_5OmniModel"]
+    config.dtype = torch.bfloat16
+    model = Qwen2_5OmniThinkerForConditionalGeneration(config.thinker_config)
+    # vLLM loads the thinker's weights under "thinker." (the full model's names).
+    _save(model.to(torch.bfloat16), out, (("", "thinker."),))
+    config.save_pretrained(str(out))  # the full model's config.json over the thinker's
+    _write_json(
+        out,
+        "preprocessor_config.json",
+        {**QWEN_IMAGE_PROCESSOR, **WHISPER_FEATURES, "processor_class": "Qwen2_5OmniProcessor"},
     )
     (out / ".complete").touch()
     return out
