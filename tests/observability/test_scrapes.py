@@ -16,6 +16,7 @@ import pytest
 
 from tests.observability.procs import VllmServer
 from tests.observability.queries import (
+    ROOT,
     SYNTHETIC,
     TARGET_LABELS,
     dashboards,
@@ -151,3 +152,16 @@ def test_the_connector_series_carry_the_served_model_name(scrapes: dict[str, str
     line = next(x for x in scrapes["vllm"].splitlines() if x.startswith("kvtier_connector_hit_tokens_total{"))
     assert f'model_name="{MODEL_NAME}"' in line
     assert float(line.rpartition(" ")[2]) >= 512  # the repeat's full chunks came from the tier
+
+
+def test_every_metric_the_tier_exports_is_a_row_of_the_docs_tier_table(scrapes: dict[str, str]) -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    table = doc.split("### The cache tier", 1)[1].split("\n### ", 1)[0]
+    rows = set(re.findall(r"^\| `(kvtier_\w+)` \|", table, re.M))
+    exported = set()
+    for family, kind in _families(scrapes["tier"]).items():
+        # prometheus_client adds a <counter>_created gauge beside each unlabelled counter
+        if family.startswith("kvtier_") and not family.endswith("_created"):
+            exported.add(family + "_total" if kind == "counter" and not family.endswith("_total") else family)
+    assert exported, "the tier's scrape has no kvtier_ family"
+    assert sorted(exported - rows) == []
