@@ -16,12 +16,19 @@ The index (key -> size, in LRU order) lives in memory and is rebuilt at
 start-up from the records' headers, so entries survive a restart. Eviction
 removes the least recently used files until the new value fits.
 
+A full filesystem (ENOSPC) before ``capacity_bytes`` is reached is not a
+failure: the tier lowers its capacity to the bytes it holds (logged once per
+lowering, shown by ``kvtier_tier_capacity_bytes``), the value is not stored,
+and later puts evict the least recently used files to fit under the lowered
+capacity. Only a full filesystem holding none of the tier's files is a failure.
+
 File I/O runs in worker threads; the index is only touched from the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import os
@@ -133,8 +140,23 @@ class DiskTier:
             await asyncio.to_thread(self._write, key, head, value)
         except OSError as exc:
             self.lru.remove(key)
+            if exc.errno == errno.ENOSPC and self.lru.used > 0:
+                self._lower_capacity_to_what_the_filesystem_holds()
+                return False
             raise TierFailure("disk", f"write failed: {exc.strerror}") from exc
         return True
+
+    def _lower_capacity_to_what_the_filesystem_holds(self) -> None:
+        if self.lru.used < self.lru.capacity_bytes:
+            logger.warning(
+                "disk tier: %s is full at %d bytes of values, below --disk-bytes (%d): "
+                "capacity lowered to %d bytes; free space or lower --disk-bytes",
+                self.directory,
+                self.lru.used,
+                self.lru.capacity_bytes,
+                self.lru.used,
+            )
+            self.lru.capacity_bytes = self.lru.used
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         present = [k for k in keys if self.lru.remove(k) is not None]

@@ -2,7 +2,9 @@
 
 ``TierProcess.start(tmp_dir, *flags)`` runs ``kvtier server`` on free 127.0.0.1
 ports with its disk tier under ``tmp_dir`` and returns once its gRPC health
-check answers SERVING. Fault injection: ``freeze()`` (SIGSTOP), ``thaw()``
+check answers SERVING. ``disk_fs_bytes=N`` puts the disk tier on a tmpfs of N
+bytes in the server's own user and mount namespace (``unshare``: no privilege
+needed), for full-disk tests; the test sees it under ``disk_view``. Fault injection: ``freeze()`` (SIGSTOP), ``thaw()``
 (SIGCONT), ``kill()`` (SIGKILL), ``terminate()`` (SIGTERM, graceful), and
 ``restart()`` (same ports, same disk dir). Always stopped by PID.
 """
@@ -44,6 +46,7 @@ class TierProcess:
     port: int
     metrics_port: int
     proc: subprocess.Popen[bytes] | None = None
+    disk_fs_bytes: int = 0
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -57,10 +60,18 @@ class TierProcess:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
+    @property
+    def disk_view(self) -> Path:
+        """The disk tier's directory as the server sees it (through its mount namespace)."""
+        assert self.proc is not None
+        if not self.disk_fs_bytes:
+            return self.directory / "disk"
+        return Path(f"/proc/{self.proc.pid}/root") / str(self.directory / "disk").lstrip("/")
+
     @classmethod
-    def start(cls, directory: Path, *flags: str) -> TierProcess:
+    def start(cls, directory: Path, *flags: str, disk_fs_bytes: int = 0) -> TierProcess:
         directory.mkdir(parents=True, exist_ok=True)
-        tier = cls(directory, list(flags), free_port(), free_port())
+        tier = cls(directory, list(flags), free_port(), free_port(), disk_fs_bytes=disk_fs_bytes)
         tier._spawn()
         return tier
 
@@ -76,6 +87,13 @@ class TierProcess:
             "--grace-period", "5s",
             *self.flags,
         ]  # fmt: skip
+        if self.disk_fs_bytes:
+            (self.directory / "disk").mkdir(exist_ok=True)
+            mount = 'mount -t tmpfs -o "size=$1" tmpfs "$2" && shift 2 && exec "$@"'
+            args = [
+                "unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, "sh",
+                str(self.disk_fs_bytes), str(self.directory / "disk"), *args,
+            ]  # fmt: skip
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.directory)
