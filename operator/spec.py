@@ -180,6 +180,14 @@ def parse_model_recipe(body: Body) -> ModelRecipe:
             "the encoder cache needs a multimodal model: add image, audio or video to "
             "spec.model.modalities, or set encoderCache to false",
         )
+    if set(model.modalities) != {"text"} and _names_items_per_request(engine.args):
+        raise SpecError(
+            "spec.engine.args",
+            "turn off at most one of vLLM's prefix cache and multimodal processor cache: with "
+            "both off (--no-enable-prefix-caching and --mm-processor-cache-gb 0) vLLM names each "
+            "image after its request instead of its content, and the kvtier connector refuses to "
+            "start; drop one of the two flags",
+        )
     tier = _object(spec, "tier", "spec.tier")
     has_ref, has_inline = "ref" in tier, "inline" in tier
     if has_ref == has_inline:
@@ -283,6 +291,29 @@ def _parse_model(spec: Body) -> Model:
         architecture=_str(spec, "architecture", "spec.model.architecture"),
         modalities=tuple(modalities),
     )
+
+
+def _names_items_per_request(args: tuple[str, ...]) -> bool:
+    """Whether vLLM, started with ``args``, runs with both its prefix cache and its
+    multimodal processor cache off (the last occurrence of a flag wins, as in argparse)."""
+    prefix_caching, processor_cache_gb = True, 4.0  # vLLM's defaults
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name == "--enable-prefix-caching":
+            prefix_caching = value.lower() not in ("false", "0") if eq else True
+        elif name == "--no-enable-prefix-caching":
+            prefix_caching = False
+        elif name == "--mm-processor-cache-gb":
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            try:
+                processor_cache_gb = float(value)
+            except ValueError:
+                continue  # vLLM itself rejects it, naming the flag
+    return not prefix_caching and processor_cache_gb == 0
 
 
 def _parse_engine(spec: Body) -> Engine:

@@ -172,3 +172,40 @@ def test_a_client_certificate_reference_names_its_secret() -> None:
     assert recipe.cache.client_cert_secret == "engine-tls"
     with pytest.raises(SpecError, match=r"spec.cache.clientCertSecretRef.name: required"):
         parse_model_recipe(model_recipe(cache={"clientCertSecretRef": {}}))
+
+
+VL = {**MINIMAL, "model": {"repo": "Qwen/Qwen2.5-VL-3B-Instruct",
+      "architecture": "Qwen2_5_VLForConditionalGeneration", "modalities": ["text", "image"]}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"],
+        ["--mm_processor_cache_gb=0", "--enable-prefix-caching=false"],
+        ["--enable-prefix-caching", "--mm-processor-cache-gb=0.0", "--no-enable-prefix-caching"],
+    ],
+)
+def test_a_multimodal_engine_with_both_vllm_caches_off_is_rejected_naming_the_flags(
+    args: list[str],
+) -> None:
+    spec = {**VL, "engine": {"image": "x", "args": args}}
+    with pytest.raises(SpecError, match=r"spec\.engine\.args: .*--mm-processor-cache-gb 0"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--no-enable-prefix-caching"],
+        ["--mm-processor-cache-gb", "0"],
+        ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0", "--enable-prefix-caching"],
+        ["--no-enable-prefix-caching", "--mm-processor-cache-gb=0", "--mm-processor-cache-gb=2"],
+    ],
+)
+def test_a_multimodal_engine_with_one_vllm_cache_on_or_a_text_model_is_accepted(
+    args: list[str],
+) -> None:
+    assert parse_model_recipe(raw_recipe(**{**VL, "engine": {"image": "x", "args": args}}))
+    both_off = ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
+    assert parse_model_recipe(raw_recipe(**{**MINIMAL, "engine": {"image": "x", "args": both_off}}))
