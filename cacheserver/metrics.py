@@ -77,6 +77,18 @@ class ServerMetrics:
             ["tier"],
             registry=registry,
         )
+        self.pending_deletes = Gauge(
+            "kvtier_tier_pending_deletes",
+            "Deleted keys a failing tier has not seen yet, replayed when it recovers.",
+            ["tier"],
+            registry=registry,
+        )
+        self.deletes_dropped = Counter(
+            "kvtier_tier_deletes_dropped",
+            "Deletes a failing tier missed and that will not be replayed (too many were waiting).",
+            ["tier"],
+            registry=registry,
+        )
         self.write_behind_depth = Gauge(
             "kvtier_write_behind_queue_depth",
             "Values waiting to be written behind to the lower tiers.",

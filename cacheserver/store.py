@@ -12,12 +12,18 @@ A lower tier that fails (an I/O error, Redis down, or slower than
 counted, calls skip it, and a prober pings it every ``probe_interval_s`` until
 it answers again. A failing tier therefore costs a miss (a recompute in the
 engine), never a failed call.
+
+A Delete that cannot reach a failing tier is remembered (up to
+``MAX_PENDING_DELETES`` keys per tier, oldest dropped and counted first) and
+replayed when the tier answers again, before it serves any read: a deleted
+value does not come back from a tier that was down when it was deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +38,11 @@ from kvtier.cacheserver.tiers import Tier
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Keys of Deletes a failing tier missed, kept per tier for replay on recovery
+# (~100 bytes each with their dict entry: at most ~25 MiB per tier).
+MAX_PENDING_DELETES = 1 << 18
+REPLAY_BATCH = 1024
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,11 @@ class TieredStore:
             t.name: _WriteBehind(policy.write_behind_values, policy.write_behind_bytes)
             for t in self.tiers[1:]
         }
+        # Deletes each lower tier missed while failing, replayed before it serves again.
+        self._deletes: dict[str, OrderedDict[bytes, None]] = {t.name: OrderedDict() for t in self.tiers[1:]}
+        for name in self._deletes:  # exported from the start, zero
+            metrics.pending_deletes.labels(name).set(0)
+            metrics.deletes_dropped.labels(name)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ----------------------------------------------------------------
@@ -207,11 +223,47 @@ class TieredStore:
             try:
                 n = await self._call(tier, "delete", partial(tier.delete, keys))
             except _Skip:
+                self._remember_deletes(tier, keys)
                 continue
             deleted = max(deleted, n)
         return deleted
 
+    def pending_deletes(self, tier_name: str) -> int:
+        return len(self._deletes.get(tier_name, ()))
+
     # -- internals ----------------------------------------------------------------
+
+    def _remember_deletes(self, tier: Tier, keys: Sequence[bytes]) -> None:
+        pending = self._deletes.get(tier.name)
+        if pending is None:
+            return
+        for key in keys:
+            pending[key] = None
+            pending.move_to_end(key)
+        dropped = 0
+        while len(pending) > MAX_PENDING_DELETES:
+            pending.popitem(last=False)
+            dropped += 1
+        if dropped:
+            self.metrics.deletes_dropped.labels(tier.name).inc(dropped)
+            logger.warning(
+                "%s tier: more than %d Deletes waiting for it to recover; the oldest %d will not be "
+                "replayed (those values can be served again once it recovers)",
+                tier.name,
+                MAX_PENDING_DELETES,
+                dropped,
+            )
+        self.metrics.pending_deletes.labels(tier.name).set(len(pending))
+
+    async def _replay_deletes(self, tier: Tier) -> None:
+        """Deletes in ``tier`` what was deleted while it was failing (raises if it fails again)."""
+        pending = self._deletes.get(tier.name)
+        while pending:
+            batch = list(itertools.islice(pending, REPLAY_BATCH))
+            await asyncio.wait_for(tier.delete(batch), self.policy.tier_timeout_s)
+            for key in batch:
+                pending.pop(key, None)
+            self.metrics.pending_deletes.labels(tier.name).set(len(pending))
 
     async def _call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]]) -> T:
         if not self._healthy[tier.name]:
@@ -275,6 +327,7 @@ class TieredStore:
                     continue
                 try:
                     await asyncio.wait_for(tier.ping(), self.policy.tier_timeout_s)
+                    await self._replay_deletes(tier)
                 except (TierFailure, TimeoutError, OSError):
                     continue
                 self._healthy[tier.name] = True

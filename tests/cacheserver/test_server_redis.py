@@ -91,6 +91,36 @@ def test_a_frozen_redis_never_stalls_calls_past_the_tier_timeout(
     assert tier.log.read_text().count("redis tier failing") == 1
 
 
+def test_deletes_a_failing_redis_missed_are_replayed_before_it_serves_again(
+    start_tier: Callable[..., TierProcess], redis_server: RedisServer
+) -> None:
+    tier = start_tier(
+        "--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms",
+        "--redis-timeout", "300ms", "--write-policy", "write-through",
+    )  # fmt: skip
+    values = {key: os.urandom(10_000) for key in (b"gone-a", b"gone-b", b"kept")}
+    with TierClient(tier.target, timeout_s=5) as c:
+        assert c.put(list(values.items())) == 3
+        assert int(redis_server.cli("DBSIZE")) == 3
+        redis_server.pause()
+        try:
+            c.delete([b"gone-a"])  # meets the frozen Redis: times out, marks it failing
+            assert tier.metric("kvtier_tier_healthy", tier="redis") == 0
+            c.delete([b"gone-b"])  # skips the failing tier
+            assert tier.metric("kvtier_tier_pending_deletes", tier="redis") == 2
+        finally:
+            redis_server.resume()
+        assert _wait_for(lambda: tier.metric("kvtier_tier_healthy", tier="redis") == 1)
+        # Replayed before Redis served again: neither value comes back from it.
+        assert c.get([b"gone-a", b"gone-b"], stop_at_first_miss=False) == [None, None]
+        assert c.lookup([b"gone-b"]) == 0
+        (kept,) = c.get([b"kept"])
+        assert kept is not None and bytes(kept) == values[b"kept"]
+    assert int(redis_server.cli("DBSIZE")) == 1
+    assert tier.metric("kvtier_tier_pending_deletes", tier="redis") == 0
+    assert tier.metric("kvtier_tier_deletes_dropped_total", tier="redis") == 0
+
+
 def _load(target: str, stop: threading.Event, errors: list[BaseException], n: int) -> None:
     """Puts and reads back values until ``stop``; every call must succeed."""
     try:
