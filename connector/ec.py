@@ -16,8 +16,8 @@ vLLM creates it in the scheduler (role SCHEDULER, hands off to
 ``KvtierECScheduler``) and in each worker (role WORKER, hands off to
 ``KvtierECWorker``). Method map::
 
-    scheduler  ensure_cache_available   one Get per request, verify, hold (ec_scheduler)
-               has_cache_item           True only for a verified entry in hand
+    scheduler  ensure_cache_available   note the items not yet computed (ec_scheduler)
+               has_cache_item           fetch a noted item (one Get), verify: True if in hand
                update_state_after_alloc load it, or plan to save the new output
                build_connector_meta     this step's loads and save keys
                update_connector_output  the workers' metrics, added to its own
@@ -50,7 +50,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from kvtier.connector import ec_metrics, metrics
-from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.breaker import BreakerState, CircuitBreaker
 from kvtier.connector.client import TierClient
 from kvtier.connector.config import ConnectorConfig, check_item_identifiers
 from kvtier.connector.ec_config import key_spec, parse_config
@@ -104,7 +104,7 @@ class KvtierECConnectorStats(ECConnectorStats):
         return metrics.summarize(self.data)
 
     def is_empty(self) -> bool:
-        return not self.data.get("counters") and not self.data.get("histograms")
+        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges"))
 
 
 class KvtierECPromMetrics(ECConnectorPromMetrics):
@@ -119,7 +119,9 @@ class KvtierECPromMetrics(ECConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._series = ec_metrics.prom_series(self._counter_cls, self._histogram_cls, labelnames)
+        self._series = ec_metrics.prom_series(
+            self._counter_cls, self._histogram_cls, self._gauge_cls, labelnames
+        )
         for labelvalues in per_engine_labelvalues.values():
             self._series.initialize(labelvalues)
 
@@ -251,6 +253,7 @@ class KvtierECConnector(ECConnectorBase):
             self.worker.save(plan, encoder_cache, mm_hash)
 
     def build_connector_worker_meta(self) -> KvtierECWorkerMetadata | None:
+        self._set_breaker_gauge()
         data = self._recorder.take()
         return KvtierECWorkerMetadata(stats=data) if data is not None else None
 
@@ -260,7 +263,13 @@ class KvtierECConnector(ECConnectorBase):
 
     # -- metrics --------------------------------------------------------------------
 
+    def _set_breaker_gauge(self) -> None:
+        self._recorder.set("breaker_open", int(self._breaker.state is not BreakerState.CLOSED))
+
     def get_ec_connector_stats(self) -> KvtierECConnectorStats | None:
+        # Every call (every step) carries the breaker's state, as the KV connector does;
+        # merged with the workers' (max), it is the gauge behind the CircuitOpen alert.
+        self._set_breaker_gauge()
         data = self._recorder.take()
         pending, self._worker_stats = self._worker_stats, []
         if data is None and not pending:

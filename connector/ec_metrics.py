@@ -10,7 +10,7 @@ its own. vLLM ships the sum to the front-end process and hands it to
 
 Series (counters get ``_total``)::
 
-    kvtier_connector_ec_lookups_total             items asked of the tier (one Get per request)
+    kvtier_connector_ec_lookups_total             items asked of the tier (vLLM's encoder cache lacked them)
     kvtier_connector_ec_hits_total                items found and verified: their encoder is skipped
     kvtier_connector_ec_loaded_bytes_total        bytes of verified entries loaded
     kvtier_connector_ec_saved_chunks_total        encoder outputs stored (one entry each)
@@ -20,6 +20,8 @@ Series (counters get ``_total``)::
     kvtier_connector_ec_calls_skipped_total{op}   calls refused by the open breaker
     kvtier_connector_ec_saves_dropped_total{reason}   queue_full | tier_down | unsupported
     kvtier_connector_ec_breaker_opened_total      closed -> open transitions
+    kvtier_connector_ec_breaker_open              gauge: 1 while a breaker of the encoder
+                                                  cache (scheduler or a worker) is not closed
     kvtier_connector_ec_{load,save}_seconds       latency histograms
 """
 
@@ -43,6 +45,9 @@ COUNTERS: Final[dict[str, tuple[str, str | None]]] = {
     "saves_dropped": ("Encoder-output saves dropped instead of stalling the engine.", "reason"),
     "breaker_opened": ("Encoder-cache circuit breaker transitions from closed to open.", None),
 }
+GAUGES: Final[dict[str, str]] = {
+    "breaker_open": "1 while a circuit breaker of the encoder cache refuses tier calls, else 0.",
+}
 HISTOGRAMS: Final[dict[str, str]] = {
     "load_seconds": "Latency of fetching one request's encoder outputs (Get and verify).",
     "save_seconds": "Latency of one background Put batch of encoder outputs.",
@@ -50,10 +55,12 @@ HISTOGRAMS: Final[dict[str, str]] = {
 
 
 def recorder() -> Recorder:
-    return Recorder(COUNTERS, HISTOGRAMS)
+    return Recorder(COUNTERS, HISTOGRAMS, GAUGES)
 
 
-def prom_series(counter_cls: object, histogram_cls: object, labelnames: list[str]) -> PromSeries:
+def prom_series(
+    counter_cls: object, histogram_cls: object, gauge_cls: object, labelnames: list[str]
+) -> PromSeries:
     return PromSeries(
         counter_cls,
         histogram_cls,
@@ -61,4 +68,6 @@ def prom_series(counter_cls: object, histogram_cls: object, labelnames: list[str
         counters=COUNTERS,
         histograms=HISTOGRAMS,
         prefix=PREFIX,
+        gauge_cls=gauge_cls,
+        gauges=GAUGES,
     )

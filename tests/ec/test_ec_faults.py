@@ -86,3 +86,4 @@ def test_a_dead_tier_and_the_encoder_runs(
         assert elapsed < NO_HANG_S
     stats = f.ec_stats()
     assert stats.get("errors:load", 0) + stats.get("calls_skipped:load", 0) >= 2
+    assert stats.get("breaker_open", 0) >= 1  # the gauge behind KvtierConnectorCircuitOpen

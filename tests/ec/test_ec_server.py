@@ -127,6 +127,8 @@ def test_the_ec_series_are_on_vllms_metrics_at_zero_before_any_image(server: str
         text = r.read().decode()
     for name in ("lookups_total", "hits_total", "loaded_bytes_total", "load_seconds_count"):
         assert f"kvtier_connector_ec_{name}{{" in text, name
+    assert _metric(server, "kvtier_connector_ec_breaker_open") == 0
+    assert "kvtier_connector_ec_breaker_open{" in text
 
 
 def test_an_image_another_engine_encoded_is_served_from_the_tier_and_counted(
