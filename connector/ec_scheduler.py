@@ -1,18 +1,25 @@
 """The scheduler half of the encoder cache: fetch and verify before scheduling, plan loads.
 
 vLLM asks the scheduler-side EC connector, per request, ``ensure_cache_available``
-(before it schedules the request), then per item ``has_cache_item`` (True: vLLM
-does not schedule the encoder for it and expects the worker to put its output into
-the encoder cache), then ``update_state_after_alloc`` for every item it allocated.
-A "yes" from ``has_cache_item`` is a promise the worker must keep: vLLM fails the
-step on a missing encoder output. So the scheduler says yes only for entries it
-already holds, fetched and verified:
+(before it schedules the request), then, for each item its own encoder cache does
+not hold, ``has_cache_item`` (True: vLLM does not schedule the encoder for it and
+expects the worker to put its output into the encoder cache), then
+``update_state_after_alloc`` for every item it allocated. A "yes" from
+``has_cache_item`` is a promise the worker must keep: vLLM fails the step on a
+missing encoder output. So the scheduler says yes only for entries it already
+holds, fetched and verified:
 
-- ``ensure_cache_available``: one ``Get`` per request for the items not yet computed
-  (deadline ``lookup_timeout_s``, behind the circuit breaker); every entry is
-  decoded (checksum, key fingerprint, length), and its dtype and shape are checked
-  against the request's placeholder. Anything else is a miss: the encoder runs.
-- the verified payloads wait in a byte-bounded LRU (``HELD_BYTES``) until vLLM
+- ``ensure_cache_available`` (once per request) notes the request's items not yet
+  computed and their keys; it calls nothing.
+- ``has_cache_item`` fetches a noted item with one ``Get`` (deadline
+  ``lookup_timeout_s``, behind the circuit breaker) the first time vLLM asks about
+  it. vLLM asks only about items its own encoder cache lacks, so an image the engine
+  still holds (a repeat, or another running request's) costs the tier nothing. The
+  entry is decoded (checksum, key fingerprint, length), and its dtype and shape are
+  checked against the item's placeholder. Anything else is a miss: the encoder runs.
+  A failed fetch drops every noted item (they would fail the same way): they are
+  encoded, and the step waits for at most one deadline.
+- verified payloads wait in a byte-bounded LRU (``HELD_BYTES``) until vLLM
   allocates the item; then they travel to the worker in the step's plan
   (``ECStepPlan.loads``), which only copies bytes into a tensor (it cannot fail).
 - items vLLM will encode get their key in ``ECStepPlan.saves``: the worker saves
@@ -57,6 +64,16 @@ class EncoderLoad:
 
 
 @dataclass
+class _Noted:
+    """An item a live request may need: its placeholder's embedding count and modality,
+    and the requests that noted it under this key."""
+
+    embeds: int
+    modality: str
+    requests: set[str] = field(default_factory=set)
+
+
+@dataclass
 class ECStepPlan:
     """One step's work for the worker: loads to place, and keys to save new outputs under."""
 
@@ -91,7 +108,10 @@ class KvtierECScheduler:
         self._held: OrderedDict[str, EncoderLoad] = OrderedDict()
         self._held_bytes = 0
         self._promised: dict[str, EncoderLoad] = {}
-        self._checked: set[str] = set()
+        # Items live requests noted, by identifier then key (a cache salt changes the
+        # key of the same item), fetched when vLLM first asks about the identifier.
+        self._noted: dict[str, dict[bytes, _Noted]] = {}
+        self._noted_by: dict[str, list[tuple[str, bytes]]] = {}  # request id -> its notes
         self._loads: dict[str, EncoderLoad] = {}
         self._saves: dict[str, bytes] = {}
         # Deletes of entries that failed verification, off the scheduling path.
@@ -129,27 +149,34 @@ class KvtierECScheduler:
     # -- vLLM's scheduler calls ----------------------------------------------------
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        """Fetch and verify the entries of the request's items not yet computed (once per
-        request). Always True: the request never waits for the tier beyond the deadline."""
-        if not self._load or request.request_id in self._checked:
+        """Note the request's items not yet computed (once per request); nothing is
+        fetched until vLLM asks about an item. Always True: the request never waits."""
+        if not self._load or request.request_id in self._noted_by:
             return True
-        self._checked.add(request.request_id)
-        wanted: dict[str, tuple[bytes, int, str]] = {}
+        notes = self._noted_by[request.request_id] = []
         for feature in request.mm_features:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # its tokens are computed (prefix cache or KV connector)
-            if feature.identifier in wanted or feature.identifier in self._held:
-                continue
             key = self.key(request, feature)
-            if key is not None:
-                wanted[feature.identifier] = (key, position.get_num_embeds(), feature.modality)
-        if wanted:
-            self._fetch(wanted)
+            if key is None:
+                continue
+            by_key = self._noted.setdefault(feature.identifier, {})
+            noted = by_key.get(key)
+            if noted is None:
+                noted = by_key[key] = _Noted(position.get_num_embeds(), feature.modality)
+            noted.requests.add(request.request_id)
+            notes.append((feature.identifier, key))
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
-        """True only for a verified entry in hand; from here on it cannot be evicted."""
+        """True only for a verified entry in hand; from here on it cannot be evicted.
+        vLLM asks only about items its own encoder cache does not hold: the first
+        question about a noted item fetches it."""
+        if identifier not in self._held and identifier not in self._promised:
+            noted = self._noted.pop(identifier, None)
+            if noted:
+                self._fetch(identifier, noted)
         entry = self._held.pop(identifier, None)
         if entry is not None:
             self._held_bytes -= len(entry.payload)
@@ -181,18 +208,29 @@ class KvtierECScheduler:
         return plan
 
     def request_finished(self, request: Any) -> None:
-        self._checked.discard(request.request_id)
+        for identifier, key in self._noted_by.pop(request.request_id, ()):
+            by_key = self._noted.get(identifier)
+            noted = by_key.get(key) if by_key is not None else None
+            if by_key is None or noted is None:
+                continue  # fetched already
+            noted.requests.discard(request.request_id)
+            if not noted.requests:
+                del by_key[key]
+                if not by_key:
+                    del self._noted[identifier]
 
     def shutdown(self) -> None:
         self._deleter.close()
 
     # -- fetch and verify ----------------------------------------------------------
 
-    def _fetch(self, wanted: dict[str, tuple[bytes, int, str]]) -> None:
+    def _fetch(self, identifier: str, noted: dict[bytes, _Noted]) -> None:
+        """One Get for an item (under each key live requests noted it with); the first
+        entry that verifies is held."""
         if not self._breaker.allow():
             self._recorder.count("calls_skipped", label="load")
             return
-        keys = [key for key, _, _ in wanted.values()]
+        keys = list(noted)
         self._recorder.count("lookups", len(keys))
         started = time.perf_counter()
         try:
@@ -202,20 +240,28 @@ class KvtierECScheduler:
         except TierError as exc:
             self._breaker.failure()
             self._recorder.count("errors", label="load")
-            logger.warning("kvtier: encoder-cache Get of %d item(s) failed (%s)", len(keys), exc)
+            dropped = len(self._noted)
+            self._noted.clear()  # they would wait for the same tier: encode them
+            logger.warning(
+                "kvtier: encoder-cache Get failed (%s); encoding this item and %d other "
+                "noted item(s)",
+                exc,
+                dropped,
+            )
             return
         self._breaker.success()
-        for (identifier, (key, embeds, modality)), blob in zip(wanted.items(), blobs, strict=False):
+        for key, blob in zip(keys, blobs, strict=False):
             if blob is None:
                 continue
             try:
-                entry = self._verify(identifier, key, blob, embeds, modality)
+                entry = self._verify(identifier, key, blob, noted[key].embeds, noted[key].modality)
             except ChunkDecodeError as exc:
                 self._recorder.count("corrupt_chunks")
                 self._deleter.delete(key)
                 logger.warning("kvtier: encoder-cache entry unusable, encoding instead (%s)", exc)
                 continue
             self._hold(entry)
+            break
         self._recorder.observe("load_seconds", time.perf_counter() - started)
 
     def _verify(

@@ -180,21 +180,58 @@ def test_items_already_computed_are_not_asked_for(client: TierClient) -> None:
     req = request(feature("early", offset=0), feature("late", offset=100))
 
     sched.ensure_cache_available(req, 50)
+    sched.has_cache_item("early")
+    sched.has_cache_item("late")
 
     assert recorder.total("lookups") == 1  # only "late"
 
 
-def test_one_request_is_looked_up_once(client: TierClient) -> None:
+def test_one_request_asks_the_tier_once_per_item(client: TierClient) -> None:
     sched, recorder = scheduler(client)
     req = request(feature("x"), feature("y", offset=20))
 
     for _ in range(3):
         sched.ensure_cache_available(req, 0)
+        sched.has_cache_item("x")
+        sched.has_cache_item("y")
 
     assert recorder.total("lookups") == 2
     sched.request_finished(req)
     sched.ensure_cache_available(req, 0)
-    assert recorder.total("lookups") == 4
+    sched.has_cache_item("x")
+    assert recorder.total("lookups") == 3
+
+
+def test_items_vllm_holds_itself_are_never_fetched(client: TierClient, tier: TierProcess) -> None:
+    """vLLM asks has_cache_item only about items its own encoder cache lacks: an image
+    the engine still holds (a repeat, or another running request's) costs no Get."""
+    sched, recorder = scheduler(client)
+    first, repeat = request(feature("seen"), req_id="1"), request(feature("seen"), req_id="2")
+    store(client, sched, first, 0, output(7))
+    gets = tier.metric("kvtier_server_get_keys_total", result="hit")
+
+    sched.ensure_cache_available(first, 0)
+    assert sched.has_cache_item("seen")
+    sched.update_state_after_alloc(first, 0)
+    sched.build_connector_meta()
+    sched.ensure_cache_available(repeat, 0)  # vLLM found it in its encoder cache: no question
+    sched.request_finished(first)
+    sched.request_finished(repeat)
+
+    assert recorder.total("lookups") == 1
+    assert tier.metric("kvtier_server_get_keys_total", result="hit") == gets + 1
+    assert not sched.has_cache_item("seen")  # no live request noted it: nothing to fetch
+    assert recorder.total("lookups") == 1
+
+
+def test_a_failed_fetch_costs_one_deadline_for_every_noted_item() -> None:
+    with TierClient(f"127.0.0.1:{free_port()}", timeout_s=1.0) as dead:
+        sched, recorder = scheduler(dead, breaker_failures=5, lookup_timeout_s=0.5)
+        req = request(feature("a"), feature("b", offset=20), feature("c", offset=30))
+        sched.ensure_cache_available(req, 0)
+        assert [sched.has_cache_item(i) for i in "abc"] == [False, False, False]
+    assert recorder.total("errors", label="load") == 1
+    assert recorder.total("lookups") == 1
 
 
 def test_the_cache_salt_separates_tenants(client: TierClient) -> None:
@@ -215,6 +252,7 @@ def test_salt_policy_required_neither_looks_up_nor_saves_unsalted_requests(
     req = request(feature("unsalted"))
 
     sched.ensure_cache_available(req, 0)
+    assert not sched.has_cache_item("unsalted")
     sched.update_state_after_alloc(req, 0)
 
     assert recorder.total("lookups") == 0
@@ -229,7 +267,8 @@ def test_a_promised_entry_survives_the_byte_bound_until_it_is_planned(client: Ti
 
     sched.ensure_cache_available(first, 0)
     assert sched.has_cache_item("p1")
-    sched.ensure_cache_available(second, 0)  # would evict p1 if it were not promised
+    sched.ensure_cache_available(second, 0)
+    assert sched.has_cache_item("p2")  # its fetch would evict p1 if p1 were not promised
     sched.update_state_after_alloc(first, 0)
 
     assert [load.identifier for load in sched.build_connector_meta().loads] == ["p1"]

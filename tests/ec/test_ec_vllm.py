@@ -77,6 +77,23 @@ def test_a_different_image_misses_and_runs_the_encoder(
     assert after.get("hits", 0) == before.get("hits", 0)
 
 
+def test_an_image_still_in_vllms_own_encoder_cache_costs_the_tier_nothing(
+    engines: tuple[EngineProcess, EngineProcess],
+) -> None:
+    """A repeat on the engine that encoded it: vLLM finds the output in its own encoder
+    cache and never asks the connector, so no Get goes to the tier."""
+    a, _ = engines
+    prompt = chat(prompt_text(40, seed=7), IMAGE, prompt_text(30, seed=8))
+    expected = encoded_by_a(a, prompt, seed=7)
+    calls, before = a.encoder_calls(), a.ec_stats()
+
+    (out,) = a.generate([{"prompt": prompt, "images": [image(7)]}])
+
+    assert a.encoder_calls() == calls  # served by vLLM's encoder cache
+    assert a.ec_stats().get("lookups", 0) == before.get("lookups", 0)
+    assert out.token_ids == expected
+
+
 def test_a_request_with_another_cache_salt_does_not_load_the_entry(
     engines: tuple[EngineProcess, EngineProcess],
 ) -> None:
