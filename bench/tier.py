@@ -80,7 +80,9 @@ def _run(msg: dict[str, Any], clients: dict[str, tierpeers.Client], payloads: di
         if msg["op"] == "PUT":
             client.put(keys, payload)
         else:
-            _check(client.get(keys), payload, len(keys), msg["verify"])
+            values = client.get(keys)
+            _check(values, payload, len(keys), msg["verify"])
+            client.done(values)
     end = time.perf_counter()
     return {"start": start, "end": end, "bytes": size * len(keys) * msg["batches"]}
 

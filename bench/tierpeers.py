@@ -21,9 +21,14 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
   tier) and write through, so a PUT returns once the lower tier holds the value.
 - ``kvtier RAM gRPC``: the same RAM tier with values over gRPC (no data port).
 
+Every kvtier client gives the values of each GET back (``TierClient.recycle``) once
+checked, as the connector's worker does once a load is copied into the KV cache, so
+later GETs receive into that memory; the peers' clients allocate each value.
+
 An experiment, run only when ``--backends`` names it: ``kvtier RAM no-recycle``,
 the RAM tier with ``--ram-recycle-bytes 0`` (every PUT receives into fresh
-memory), the baseline of the RAM tier's recycled buffers.
+memory) and a client that receives every GET value into fresh memory
+(``receive_buffer_bytes=0``): the baseline of the recycled buffers.
 """
 
 from __future__ import annotations
@@ -84,7 +89,9 @@ class Backend:
     """One store under test: its server processes (stopped by PID) and where it listens."""
 
     name: str
-    kind: str  # client adapter: "raw", "redis", "lmcache", "kvtier" (data port), "kvtier-grpc"
+    # client adapter: "raw", "redis", "lmcache", "kvtier" (data port), "kvtier-grpc",
+    # "kvtier-fresh" (data port, the client receives every value into fresh memory)
+    kind: str
     port: int = 0
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -152,11 +159,12 @@ def start_backend(
         args = [lmcache_python, "-m", "lmcache.v1.server", "127.0.0.1", str(b.port)]
         b.spawn(args, log, "LMCache's server", b.port, cwd=directory)
         return b
-    b = Backend(name, "kvtier-grpc" if name == "kvtier RAM gRPC" else "kvtier", free_port())
+    kind = {"kvtier RAM gRPC": "kvtier-grpc", "kvtier RAM no-recycle": "kvtier-fresh"}.get(name, "kvtier")
+    b = Backend(name, kind, free_port())
     flags = ["--host", "127.0.0.1", "--port", str(b.port), "--metrics-port", "0",
              "--frame-bytes", str(frame_bytes), "--log-level", "warning",
              "--tier-timeout", "60s", "--grace-period", "1s"]  # fmt: skip
-    if b.kind == "kvtier":
+    if b.kind in ("kvtier", "kvtier-fresh"):
         flags += ["--data-port", str(free_port())]
     if name in ("kvtier RAM", "kvtier RAM gRPC", "kvtier RAM no-recycle"):
         flags += ["--ram-bytes", "8GiB", "--disk-bytes", "0"]
@@ -187,10 +195,16 @@ def start_backend(
 class Client(Protocol):
     def put(self, keys: Sequence[bytes], value: bytes) -> None: ...
     def get(self, keys: Sequence[bytes]) -> list[Any]: ...
+    def done(self, values: list[Any]) -> None: ...
     def close(self) -> None: ...
 
 
-class RawAdapter:
+class _Adapter:
+    def done(self, values: list[Any]) -> None:
+        """The caller is done with a GET's values (a client may reuse their memory)."""
+
+
+class RawAdapter(_Adapter):
     def __init__(self, port: int) -> None:
         from bench.rawtcp import RawClient
 
@@ -206,7 +220,7 @@ class RawAdapter:
         self.c.close()
 
 
-class RedisAdapter:
+class RedisAdapter(_Adapter):
     def __init__(self, port: int) -> None:
         import redis
 
@@ -236,7 +250,7 @@ _LMC_SUCCESS = 200
 _LMC_FMT_KV_2LTD, _LMC_UINT8 = 1, 6
 
 
-class LMCacheAdapter:
+class LMCacheAdapter(_Adapter):
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.settimeout(CALL_TIMEOUT_S)
@@ -291,6 +305,7 @@ class KvtierAdapter:
         frame_bytes: int,
         grpc_options: Sequence[tuple[str, int]] = (),
         data_path: str = "data",
+        recycle: bool = True,
     ) -> None:
         import grpc
 
@@ -305,6 +320,7 @@ class KvtierAdapter:
                 timeout_s=CALL_TIMEOUT_S,
                 frame_bytes=frame_bytes,
                 data_path=data_path,
+                **({} if recycle else {"receive_buffer_bytes": 0}),
             )
         finally:
             grpc.insecure_channel = channel
@@ -316,6 +332,9 @@ class KvtierAdapter:
 
     def get(self, keys: Sequence[bytes]) -> list[Any]:
         return self.c.get(keys)
+
+    def done(self, values: list[Any]) -> None:
+        self.c.recycle(values)  # as the connector's worker does after a load
 
     def close(self) -> None:
         self.c.close()
@@ -330,7 +349,8 @@ def connect(
         return RedisAdapter(port)
     if kind == "lmcache":
         return LMCacheAdapter(port)
-    return KvtierAdapter(port, frame_bytes, grpc_options, "grpc" if kind == "kvtier-grpc" else "data")
+    data_path = "grpc" if kind == "kvtier-grpc" else "data"
+    return KvtierAdapter(port, frame_bytes, grpc_options, data_path, recycle=kind != "kvtier-fresh")
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:

@@ -5,7 +5,7 @@ buffers, and reassembled from frames, three user-space copies per value
 (docs/benchmarks.md, "Tier data path"). Here a value crosses none: a PUT is
 received straight into the ``bytearray`` that the RAM tier then keeps (as a
 read-only view; recycled from a dropped value of the same size when the tier
-has one, ``bufferpool``), and a GET sends a view of the stored object.
+has one, ``kvtier.proto.buffers``), and a GET sends a view of the stored object.
 
 The format is ``kvtier.proto.datawire`` (docs/protocol.md, "Data port"). It
 serves the same store with the same rules as ``CacheServicer``: the caller's

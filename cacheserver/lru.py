@@ -7,7 +7,7 @@
 2. then the least recently used entries of anybody, while the tier would go
    over its capacity;
 3. then, while the entry plus ``reserve`` bytes (the RAM tier's recycled
-   buffers, ``bufferpool``) would go over the capacity, the least recently
+   buffers, ``kvtier.proto.buffers``) would go over the capacity, the least recently
    used entries of anybody, or of the same tenant only when quotas are on.
 
 With quotas whose sum is at most the capacity, step 2 never runs for a

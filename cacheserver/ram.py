@@ -6,7 +6,7 @@ out the stored object itself (no copy) and no verification is needed (nothing
 at rest can corrupt it). Single-threaded: it is only touched from the server's
 event loop.
 
-The buffers of values it drops go to ``pool`` (``bufferpool``), whose bytes
+The buffers of values it drops go to ``pool`` (``kvtier.proto.buffers``), whose bytes
 count against the capacity: entries + pool <= ``capacity_bytes``. When the
 tier is full, an entry of a recyclable size evicts enough to keep the pool
 (and one more buffer of its size, for the next Put) within the capacity.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kvtier.cacheserver.bufferpool import BufferPool
 from kvtier.cacheserver.lru import ByteLru
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
+from kvtier.proto.buffers import BufferPool
 
 
 class RamTier:

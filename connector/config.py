@@ -73,6 +73,9 @@ class ConnectorConfig:
     """A client certificate (PEM) for a tier that requires mutual TLS; with ``tls_key_file``."""
     tls_key_file: str | None = None
     """The private key (PEM) of ``tls_cert_file``."""
+    receive_buffer_bytes: int = 256 << 20
+    """Bytes of buffers of loaded chunks the worker keeps to receive later chunks of the
+    same size into, instead of fresh memory (0: none)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or ":" not in self.target:
@@ -81,6 +84,11 @@ class ConnectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{_PREFIX}.{name} must be an int >= 1, got {value!r}")
+        value = self.receive_buffer_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"{_PREFIX}.receive_buffer_bytes must be an int >= 0 (bytes; 0: off), got {value!r}"
+            )
         for name in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s", "breaker_cooldown_s"):
             value = getattr(self, name)
             if (

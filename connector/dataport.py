@@ -2,8 +2,9 @@
 
 ``DataPool`` keeps a few persistent sockets (thread-safe: the connector calls
 from several threads; a call takes a socket, or opens one, and gives it back).
-A GET value is received straight into a fresh ``bytearray`` of its length; a
-PUT value is sent from the caller's buffers with ``sendmsg`` (no join). Every
+A GET value is received straight into a ``bytearray`` of its length: one the
+caller gave back (``kvtier.proto.buffers.ReceiveBuffers``, 1 MiB and larger), or a
+fresh one; a PUT value is sent from the caller's buffers with ``sendmsg`` (no join). Every
 call has a deadline: each socket operation gets the time left.
 
 Errors: ``DataConnectError`` when no connection can be opened (the caller may
@@ -29,6 +30,7 @@ from typing_extensions import Buffer
 
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import datawire as dw
+from kvtier.proto.buffers import ReceiveBuffers
 from kvtier.proto.datawire import Op, Status
 
 T = TypeVar("T")
@@ -124,8 +126,10 @@ class DataPool:
         authorization: str | None,
         context: ssl.SSLContext | None = None,
         max_idle: int = MAX_IDLE,
+        buffers: ReceiveBuffers | None = None,
     ) -> None:
         self.host = host
+        self.buffers = buffers if buffers is not None else ReceiveBuffers(0)
         self.port = port
         self.authorization = authorization
         self.context = context
@@ -161,8 +165,8 @@ class DataPool:
                     if stop_at_first_miss:
                         break
                     continue
-                buf = bytearray(n)
-                conn.recv_into(memoryview(buf), deadline)
+                buf = self.buffers.take(n)
+                conn.recv_into(memoryview(buf), deadline)  # whole, or the call fails
                 out.append(memoryview(buf).toreadonly())
             return out
 

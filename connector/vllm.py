@@ -127,6 +127,7 @@ class KvtierConnector(KVConnectorBase_V1):
             tls_ca_file=config.tls_ca_file,
             tls_cert_file=config.tls_cert_file,
             tls_key_file=config.tls_key_file,
+            receive_buffer_bytes=config.receive_buffer_bytes,
         )
         load, save = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
         self._scheduler: KvtierScheduler | None = None

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableSequence, Sequence
 from typing import Protocol
 
 import torch
@@ -45,6 +45,8 @@ class GetTier(PutTier, Protocol):
         stop_at_first_miss: bool = True,
         timeout_s: float | None = None,
     ) -> Sequence[bytes | memoryview | None]: ...
+
+    def recycle(self, values: MutableSequence[bytes | memoryview | None]) -> int: ...
 
 
 class KvtierWorker:
@@ -138,8 +140,8 @@ class KvtierWorker:
             self._recorder.count("calls_skipped", label="load")
             return 0
         try:
-            blobs = self._tier.get(
-                keys, stop_at_first_miss=True, timeout_s=self._config.load_timeout_s
+            blobs = list(
+                self._tier.get(keys, stop_at_first_miss=True, timeout_s=self._config.load_timeout_s)
             )
         except TierError as exc:
             self._breaker.failure()
@@ -147,6 +149,14 @@ class KvtierWorker:
             logger.warning("kvtier: Get of %d chunk(s) failed (%s); recomputing", len(keys), exc)
             return 0
         self._breaker.success()
+        try:
+            return self._scatter_all(keys, blobs, request)
+        finally:
+            self._tier.recycle(blobs)  # copied into the KV cache: their buffers serve later Gets
+
+    def _scatter_all(
+        self, keys: list[bytes], blobs: list[bytes | memoryview | None], request: RequestLoad
+    ) -> int:
         for index, (key, chunk) in enumerate(zip(keys, request.chunks, strict=True)):
             blob = blobs[index] if index < len(blobs) else None
             if blob is None:

@@ -1,4 +1,9 @@
-"""Recycled value buffers: a new value is received into the memory of one the RAM tier dropped.
+"""Recycled value buffers: a new value is received into the memory of one that was dropped.
+
+Used on both ends of the wire: the tier's RAM tier (``kvtier.cacheserver.ram``)
+receives Puts into the buffers of values it dropped, and the tier client
+(``kvtier.connector.client``) receives Get values into the buffers of values its
+caller gave back (``ReceiveBuffers``).
 
 A fresh ``bytearray`` of tens of MiB costs more than the bytes it receives:
 above glibc's mmap threshold (at most 32 MiB) every allocation is new pages
@@ -25,6 +30,11 @@ Rules that keep it correct:
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import MutableSequence
+from typing import Any
+
 MIN_BYTES = 1 << 20
 
 
@@ -42,13 +52,18 @@ class BufferPool:
 
     def take(self, size: int) -> bytearray:
         """A buffer of ``size`` bytes to receive a value into: a recycled one, or a new one."""
+        buf = self.reuse(size)
+        return buf if buf is not None else bytearray(size)
+
+    def reuse(self, size: int) -> bytearray | None:
+        """A recycled buffer of exactly ``size`` bytes, or None."""
         if size >= MIN_BYTES:
             for i in range(len(self._free) - 1, -1, -1):
                 if len(self._free[i]) == size:
                     self.bytes -= size
                     self.reused += 1
                     return self._free.pop(i)
-        return bytearray(size)
+        return None
 
     def wants(self, size: int) -> bool:
         """Whether a buffer of this size would be kept if there were room in the tier."""
@@ -75,3 +90,53 @@ class BufferPool:
 
     def clear(self) -> None:
         self.shrink(0)
+
+
+class ReceiveBuffers:
+    """A thread-safe pool for a client: Get values are received into buffers of
+    values the caller gave back (``give_back``), at most ``limit`` bytes of them kept."""
+
+    def __init__(self, limit: int) -> None:
+        self._pool = BufferPool(limit)
+        self._lock = threading.Lock()
+
+    @property
+    def reused(self) -> int:
+        return self._pool.reused
+
+    @property
+    def bytes(self) -> int:
+        return self._pool.bytes
+
+    def take(self, size: int) -> bytearray:
+        """A buffer to receive a value of ``size`` bytes into; fill it whole (a recycled
+        buffer holds an old value's bytes)."""
+        if size >= MIN_BYTES and self._pool.limit:
+            with self._lock:
+                buf = self._pool.reuse(size)
+            if buf is not None:
+                return buf
+        return bytearray(size)  # outside the lock: a large one costs page faults
+
+    def give_back(self, values: MutableSequence[Any]) -> int:
+        """Takes the buffers of Get values the caller is done with; empties ``values``.
+        A buffer is kept only when nothing else still sees it (a view, a tensor made
+        from it): such a value is left alone. Returns how many buffers were kept."""
+        kept = 0
+        while values:
+            value = values.pop()
+            if not isinstance(value, memoryview):
+                continue
+            buf, size = value.obj, value.nbytes
+            del value
+            if not isinstance(buf, bytearray) or size != len(buf):
+                continue  # not a whole received buffer
+            if size < MIN_BYTES or size > self._pool.limit:
+                continue
+            # As in RamTier._forget: with no view of ``buf`` alive, the only references
+            # left are ``buf`` here and getrefcount's argument (CPython counts exactly).
+            if sys.getrefcount(buf) == 2:
+                with self._lock:  # the newest buffers stay: drop the oldest to make room
+                    self._pool.shrink(self._pool.limit - len(buf))
+                    kept += self._pool.keep(buf, self._pool.limit)
+        return kept

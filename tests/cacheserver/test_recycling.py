@@ -1,4 +1,4 @@
-"""The RAM tier recycles dropped values' buffers for new Puts (cacheserver/bufferpool.py).
+"""The RAM tier recycles dropped values' buffers for new Puts (proto/buffers.py).
 
 On real tier processes over real sockets: a recycled buffer never serves an old
 value's bytes, a buffer some Get still sends is not recycled, and values plus

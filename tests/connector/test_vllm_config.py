@@ -39,6 +39,9 @@ def test_config_rejects_unknown_key_and_lists_accepted_ones() -> None:
         ("salt_policy", "sometimes"),
         ("hash_algo", "md5"),
         ("target", "no-port"),
+        ("receive_buffer_bytes", -1),
+        ("receive_buffer_bytes", "256MiB"),
+        ("receive_buffer_bytes", False),
     ],
 )
 def test_config_rejects_bad_value_naming_the_key(key: str, value: object) -> None:
