@@ -2,10 +2,14 @@
 
 The least a network key-value store can do in Python: one thread per
 connection, a fixed binary header, values kept as they arrived. The server
-receives a value straight into a fresh buffer it then keeps, and sends a stored
+receives a value straight into a buffer it then keeps, and sends a stored
 value with one ``sendall``; the client sends its buffers with ``sendmsg`` and
-receives into a fresh buffer. No framing, no checksums, no tiers: what any
-store on top of TCP pays at least.
+receives into a buffer. Both ends receive into memory already mapped when they
+have some of that size: the server into the buffer of a value the PUT replaced,
+the client into the buffers of values its caller gave back (``recycle``), as
+kvtier's do (a fresh buffer of megabytes costs page faults and zeroing). No
+framing, no checksums, no tiers, no checks that a buffer is still in use: what
+any store on top of TCP pays at least.
 
 Wire (all integers little-endian)::
 
@@ -30,8 +34,27 @@ _REQ = struct.Struct("<cHQ")
 _GET_REPLY = struct.Struct("<BQ")
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+class _Spares:
+    """Buffers to receive into again, by size (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[bytearray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(n)
+            if free:
+                return free.pop()
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.setdefault(len(buf), []).append(buf)
+
+
+def recv_exact(sock: socket.socket, n: int, spares: _Spares | None = None) -> bytearray:
+    buf = spares.take(n) if spares is not None else bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -42,7 +65,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _serve_connection(conn: socket.socket, store: dict[bytes, bytearray]) -> None:
+def _serve_connection(conn: socket.socket, store: dict[bytes, bytearray], spares: _Spares) -> None:
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while True:
@@ -53,7 +76,10 @@ def _serve_connection(conn: socket.socket, store: dict[bytes, bytearray]) -> Non
             op, key_len, value_len = _REQ.unpack(head)
             key = bytes(recv_exact(conn, key_len))
             if op == b"P":
-                store[key] = recv_exact(conn, value_len)
+                old = store.get(key)
+                store[key] = recv_exact(conn, value_len, spares)
+                if old is not None:
+                    spares.give(old)
                 conn.sendall(b"\x01")
             elif op == b"G":
                 value = store.get(key)
@@ -67,17 +93,20 @@ def _serve_connection(conn: socket.socket, store: dict[bytes, bytearray]) -> Non
 
 def serve(host: str, port: int) -> None:
     store: dict[bytes, bytearray] = {}
+    spares = _Spares()
     with socket.create_server((host, port)) as listener:
         print("ready", flush=True)
         while True:
             conn, _ = listener.accept()
-            threading.Thread(target=_serve_connection, args=(conn, store), daemon=True).start()
+            args = (conn, store, spares)
+            threading.Thread(target=_serve_connection, args=args, daemon=True).start()
 
 
 class RawClient:
     def __init__(self, host: str, port: int) -> None:
         self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.spares = _Spares()
 
     def put(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
         for key, value in items:
@@ -93,8 +122,15 @@ class RawClient:
         out: list[bytearray | None] = []
         for _ in keys:
             found, n = _GET_REPLY.unpack(recv_exact(self.sock, _GET_REPLY.size))
-            out.append(recv_exact(self.sock, n) if found else None)
+            out.append(recv_exact(self.sock, n, self.spares) if found else None)
         return out
+
+    def recycle(self, values: list[bytearray | None]) -> None:
+        """The caller is done with these values: later GETs receive into them."""
+        for value in values:
+            if value is not None:
+                self.spares.give(value)
+        values.clear()
 
     def close(self) -> None:
         self.sock.close()

@@ -4,7 +4,8 @@ Each backend is a ``Backend`` (how to start its servers, which PIDs to charge
 server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
 ``get(keys) -> values``, each moving one batch (a prompt's chunks):
 
-- ``raw TCP``: ``bench.rawtcp``, the ceiling: one stream, fixed header, no framing.
+- ``raw TCP``: ``bench.rawtcp``, the ceiling: one stream, fixed header, no framing,
+  receiving into reused memory on both ends.
 - ``redis-py``: redis-py with hiredis, a pipeline of SET / GET per batch, straight
   to a local ``redis-server``.
 - ``LMCache``: LMCache's own remote server (``python -m lmcache.v1.server``, from
@@ -21,9 +22,10 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
   tier) and write through, so a PUT returns once the lower tier holds the value.
 - ``kvtier RAM gRPC``: the same RAM tier with values over gRPC (no data port).
 
-Every kvtier client gives the values of each GET back (``TierClient.recycle``) once
-checked, as the connector's worker does once a load is copied into the KV cache, so
-later GETs receive into that memory; the peers' clients allocate each value.
+The kvtier and raw TCP clients give the values of each GET back once checked
+(``TierClient.recycle``, as the connector's worker does once a load is copied into
+the KV cache; ``RawClient.recycle``), so later GETs receive into that memory;
+redis-py's and LMCache's clients allocate each value (they have no such call).
 
 An experiment, run only when ``--backends`` names it: ``kvtier RAM no-recycle``,
 the RAM tier with ``--ram-recycle-bytes 0`` (every PUT receives into fresh
@@ -215,6 +217,9 @@ class RawAdapter(_Adapter):
 
     def get(self, keys: Sequence[bytes]) -> list[Any]:
         return self.c.get(keys)
+
+    def done(self, values: list[Any]) -> None:
+        self.c.recycle(values)
 
     def close(self) -> None:
         self.c.close()
