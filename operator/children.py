@@ -273,6 +273,8 @@ def tier_settings(tier: CacheTier) -> dict[str, str]:
         "KVTIER_METRICS_PORT": str(METRICS_PORT if spec.metrics else 0),  # 0: off
         "KVTIER_RAM_BYTES": str(spec.ram_bytes),
     }
+    if spec.ram_recycle_bytes is not None:
+        settings["KVTIER_RAM_RECYCLE_BYTES"] = str(spec.ram_recycle_bytes)
     if spec.disk.enabled:
         settings["KVTIER_DISK_DIR"] = DISK_DIR
         settings["KVTIER_DISK_BYTES"] = str(int(spec.disk.size_bytes * DISK_USABLE_FRACTION))

@@ -104,6 +104,7 @@ class TierSpec:
     resources: Resources | None
     tls: Tls | None = None
     data_port: bool = True
+    ram_recycle_bytes: int | None = None  # None: the server's default
 
     def secret_refs(self) -> list[tuple[str, SecretKeyRef]]:
         """The Secret keys the tier needs, with the field that names them (the auth Secret's
@@ -211,6 +212,9 @@ def parse_tier_spec(spec: Body, path: str) -> TierSpec:
     if image is not None and not (isinstance(image, str) and image):
         raise SpecError(f"{path}.image", "expected a container image reference")
     ram_bytes = _bytes(spec.get("ramBytes", DEFAULT_RAM), f"{path}.ramBytes")
+    recycle = spec.get("ramRecycleBytes")
+    if recycle is not None and recycle not in (0, "0"):
+        recycle = _bytes(recycle, f"{path}.ramRecycleBytes")
     disk_spec = _object(spec, "disk", f"{path}.disk", required=False)
     disk_size = disk_spec.get("size", DEFAULT_DISK_SIZE)
     disk = Disk(
@@ -244,6 +248,7 @@ def parse_tier_spec(spec: Body, path: str) -> TierSpec:
         resources=_resources(spec, f"{path}.resources"),
         tls=_tls(spec, f"{path}.tls"),
         data_port=_data_port(spec, replicas, shared=redis is not None, path=path),
+        ram_recycle_bytes=None if recycle is None else int(recycle),
     )
 
 

@@ -24,8 +24,10 @@ Rules that keep it correct:
   data port and the gRPC Put store a value only once all its bytes arrived),
   so old bytes are never served.
 - The pool is bounded by ``limit`` and its bytes count against the RAM tier's
-  capacity: values + pooled buffers <= ``--ram-bytes``. Only values of at
-  least ``MIN_BYTES`` are recycled; below that glibc reuses memory by itself.
+  capacity: values + pooled buffers <= ``--ram-bytes``. The newest buffers
+  stay: keeping one drops the oldest as needed, so a pool filled by values of
+  one size serves the next size that comes. Only values of at least
+  ``MIN_BYTES`` are recycled; below that glibc reuses memory by itself.
 """
 
 from __future__ import annotations
@@ -70,10 +72,14 @@ class BufferPool:
         return size >= MIN_BYTES and self.bytes + size <= self.limit
 
     def keep(self, buf: bytearray, room: int) -> bool:
-        """Keeps a buffer nobody else sees if it fits ``room`` (the tier's free bytes) and the limit."""
+        """Keeps a buffer nobody else sees, within the limit and ``room`` (the tier's free
+        bytes, which grow by what the pool drops). The newest buffers win: older ones are
+        dropped to make room, so a pool full of one size adapts when values of another
+        size arrive (another model's chunks, or after a change of chunk size)."""
         n = len(buf)
-        if n < MIN_BYTES or n > room or not self.wants(n):
+        if n < MIN_BYTES or n > self.limit or n > room + self.bytes:
             return False
+        self.shrink(min(self.limit - n, self.bytes - max(0, n - room)))
         self._free.append(buf)
         self.bytes += n
         return True
@@ -136,7 +142,6 @@ class ReceiveBuffers:
             # As in RamTier._forget: with no view of ``buf`` alive, the only references
             # left are ``buf`` here and getrefcount's argument (CPython counts exactly).
             if sys.getrefcount(buf) == 2:
-                with self._lock:  # the newest buffers stay: drop the oldest to make room
-                    self._pool.shrink(self._pool.limit - len(buf))
+                with self._lock:  # the newest buffers stay: the oldest are dropped for room
                     kept += self._pool.keep(buf, self._pool.limit)
         return kept

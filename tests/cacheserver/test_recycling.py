@@ -177,6 +177,22 @@ async def test_a_full_tier_keeps_a_buffer_by_evicting_and_every_later_put_reuses
     ]
 
 
+async def test_a_pool_full_of_one_size_makes_room_for_the_next_size() -> None:
+    """The newest buffers stay: 1 MiB buffers fill the pool, then 2 MiB values come."""
+    ram = RamTier(256 * MIB, recycle_bytes=4 * MIB)
+    for i in range(8):
+        await ram.put(b"s%d" % i, received(value(MIB, i)))
+    await ram.delete([b"s%d" % i for i in range(8)])
+    assert ram.pool.bytes == 4 * MIB and ram.pool.reuse(2 * MIB) is None  # four 1 MiB buffers
+
+    await ram.put(b"big", received(value(2 * MIB, 1)))
+    await ram.put(b"big", received(value(2 * MIB, 2)))  # the first one's buffer is kept
+    assert ram.pool.bytes == 4 * MIB  # two 1 MiB buffers made room for it
+    buf = ram.receive_buffer(2 * MIB)
+    assert ram.pool.reused == 1 and bytes(buf) == value(2 * MIB, 1)  # the dropped value's memory
+    assert ram.lru.used + ram.pool.bytes <= 256 * MIB
+
+
 async def test_small_values_and_values_over_bytes_are_never_kept() -> None:
     ram = RamTier(64 * MIB, recycle_bytes=16 * MIB)
     await ram.put(b"small", received(b"x" * 1000))

@@ -387,6 +387,22 @@ def test_the_data_port_value_sets_the_tiers_data_port(helm: Helm, tmp_path: Path
     crdschema.validate(tier)
 
 
+def test_the_ram_recycle_value_sets_the_tiers_field_and_is_unset_by_default(
+    helm: Helm, tmp_path: Path
+) -> None:
+    (tier,) = of_kind(helm.template(), "CacheTier")
+    assert "ramRecycleBytes" not in tier["spec"]  # the server's default
+    values = tmp_path / "values.yaml"
+    values.write_text("defaultTier: {ramRecycleBytes: 512Mi}\n")
+    (tier,) = of_kind(helm.template(values), "CacheTier")
+    assert tier["spec"]["ramRecycleBytes"] == "512Mi"
+    crdschema.validate(tier)
+    values.write_text("defaultTier: {ramRecycleBytes: lots}\n")
+    result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
+    assert result.returncode != 0
+    assert "ramRecycleBytes" in result.stdout + result.stderr  # the schema names the value
+
+
 def test_mutual_tls_without_a_certificate_for_the_helm_test_fails_saying_what_to_set(
     helm: Helm, tmp_path: Path
 ) -> None:

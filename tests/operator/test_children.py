@@ -13,6 +13,7 @@ from kvtier.operator.children import (
     model_recipe_children,
     tier_certificates,
 )
+from kvtier.operator.quantity import parse_bytes
 from kvtier.operator.spec import parse_cache_tier, parse_model_recipe, parse_tier_spec
 from tests.operator import crdschema
 from tests.operator.bodies import cache_tier, model_recipe
@@ -27,7 +28,7 @@ GRPC_PROBES = ClusterFeatures(grpc_probes=True)
 TIERS = {
     "defaults": {},
     "everything": {
-        "replicas": 3, "image": "kvtier:1", "ramBytes": "8Gi",
+        "replicas": 3, "image": "kvtier:1", "ramBytes": "8Gi", "ramRecycleBytes": "512Mi",
         "disk": {"size": "100Gi", "storageClassName": "local-nvme"},
         "redis": {"url": "rediss://redis:6380/0", "cluster": True,
                   "passwordSecretRef": {"name": "redis", "key": "pw"}},
@@ -132,11 +133,24 @@ def test_tier_settings_are_the_server_flags_as_env_vars() -> None:
         "KVTIER_DATA_PORT": "50052",
         "KVTIER_METRICS_PORT": "0",
         "KVTIER_RAM_BYTES": str(8 * 2**30),
+        "KVTIER_RAM_RECYCLE_BYTES": str(512 * 2**20),
         "KVTIER_DISK_DIR": "/var/lib/kvtier",
         "KVTIER_DISK_BYTES": str(int(100 * 2**30 * 0.9)),
         "KVTIER_REDIS_URL": "rediss+cluster://redis:6380/0",
         "KVTIER_AUTH_TOKENS": "/etc/kvtier/tenants",
     }
+
+
+@pytest.mark.parametrize("name", ["defaults", "everything", "ram only"])
+def test_the_server_parses_every_setting_the_operator_emits(name: str) -> None:
+    from kvtier.cacheserver.settings import parse
+
+    settings = by_kind(tier_children(**TIERS[name]), "ConfigMap")["data"]
+    parsed = parse([], env=settings)
+    assert parsed.ram_bytes == parse_bytes(TIERS[name].get("ramBytes", "2Gi"))
+    assert "KVTIER_RAM_RECYCLE_BYTES" in settings or parsed.ram_recycle_bytes == 256 << 20
+    if name == "everything":
+        assert parsed.ram_recycle_bytes == 512 << 20
 
 
 def test_the_tier_server_reads_its_settings_and_the_redis_password_from_kubernetes_objects() -> (

@@ -117,6 +117,14 @@ def test_tier_quantities_become_bytes() -> None:
     assert tier.spec.disk.size == "100Gi"
 
 
+def test_ram_recycle_bytes_is_a_quantity_zero_or_unset() -> None:
+    assert parse_cache_tier(cache_tier()).spec.ram_recycle_bytes is None  # the server's default
+    assert parse_cache_tier(cache_tier(ramRecycleBytes="512Mi")).spec.ram_recycle_bytes == 512 << 20
+    assert parse_cache_tier(cache_tier(ramRecycleBytes=0)).spec.ram_recycle_bytes == 0
+    with pytest.raises(SpecError, match=re.escape("spec.ramRecycleBytes: expected a quantity")):
+        parse_cache_tier(cache_tier(ramRecycleBytes="lots"))
+
+
 def test_secret_references_default_their_keys_and_name_their_fields() -> None:
     tier = parse_cache_tier(cache_tier(
         redis={"url": "redis://r:6379", "passwordSecretRef": {"name": "redis"}},
