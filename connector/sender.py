@@ -71,8 +71,12 @@ class SaveSender:
         self._recorder = recorder
         self._queue: queue.Queue[_Save | _Delete] = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        # Jobs queued and jobs finished (sent or dropped), both in queue order: flush()
+        # waits until the jobs queued before it are finished. Counted under the condition,
+        # so a job offered while the sender finishes a batch never looks sent.
+        self._queued = 0
+        self._finished_jobs = 0
+        self._done = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvtier-sender", daemon=True)
         self._thread.start()
 
@@ -84,30 +88,34 @@ class SaveSender:
 
         ``parts``: the encoded frames (``nbytes`` in all), or a function returning them,
         called on the sender thread (``nbytes`` is then measured there)."""
-        try:
-            self._idle.clear()
-            self._queue.put_nowait(_Save(key, parts, nbytes))
-        except queue.Full:
+        if not self._enqueue(_Save(key, parts, nbytes)):
             self._recorder.count("saves_dropped", label="queue_full")
             return False
         return True
 
     def delete(self, key: bytes) -> None:
         """Best-effort removal of a chunk that failed verification."""
-        try:
-            self._idle.clear()
-            self._queue.put_nowait(_Delete(key))
-        except queue.Full:
-            pass
+        self._enqueue(_Delete(key))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued so far was sent or dropped (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.empty() and self._idle.is_set():
-                return True
-            time.sleep(0.01)
-        return False
+        with self._done:
+            target = self._queued
+            return self._done.wait_for(lambda: self._finished_jobs >= target, timeout_s)
+
+    def _enqueue(self, job: _Save | _Delete) -> bool:
+        with self._done:
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                return False
+            self._queued += 1
+        return True
+
+    def _finished(self, jobs: int) -> None:
+        with self._done:
+            self._finished_jobs += jobs
+            self._done.notify_all()
 
     def close(self, timeout_s: float = 2.0) -> None:
         self.flush(timeout_s)
@@ -121,8 +129,6 @@ class SaveSender:
             try:
                 first = self._queue.get(timeout=0.1)
             except queue.Empty:
-                if self._queue.empty():
-                    self._idle.set()
                 continue
             jobs = [first]
             while len(jobs) < self._batch:
@@ -135,8 +141,8 @@ class SaveSender:
                 self._delete([j.key for j in jobs if isinstance(j, _Delete)])
             except Exception:
                 logger.exception("kvtier: the background sender failed a batch")
-            if self._queue.empty():
-                self._idle.set()
+            finally:
+                self._finished(len(jobs))
 
     def _send(self, saves: list[_Save]) -> None:
         ready = [encoded for save in saves if (encoded := self._encoded(save)) is not None]

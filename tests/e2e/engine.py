@@ -150,7 +150,8 @@ class EngineProcess:
 
     def flush(self) -> None:
         """Wait until the connector's background sender has sent what it queued."""
-        self.call({"cmd": "flush"})
+        if not self.call({"cmd": "flush"}):
+            raise EngineError(f"the connector's sender did not drain in 30s:\n{self._tail()}")
 
     def _reply(self, timeout_s: float) -> Any:
         out = self.proc.stdout

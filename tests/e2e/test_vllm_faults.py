@@ -7,12 +7,14 @@ Engine W writes straight to the tier. Engine F reaches it through a ``FaultProxy
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtier.connector.client import TierClient
 from tests.e2e.conftest import FAST_FAULTS, RELAXED
 from tests.e2e.engine import EngineProcess
 from tests.e2e.faultproxy import FaultProxy
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.vllm
 CHUNK = 256
 PROMPT_WORDS = 330  # 3 full chunks
 CHUNK_BYTES = 131_162  # one chunk of the tiny model on the wire
+PROBE_SEEDS = itertools.count(1000)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +74,13 @@ def healthy(module_tier: TierProcess, proxy: FaultProxy, writer, faulty) -> None
     proxy.release()
     if proxy._server is None:
         proxy.listen()
-    probe, _ = computed_by_writer(writer, seed=99)
+    # A new probe each try: a probe F once computed or loaded would hit F's own prefix
+    # cache, without proving that F reaches the tier again (breaker, gRPC reconnect).
     deadline = time.monotonic() + 30
-    while faulty.generate([probe])[0].num_cached_tokens == 0:
+    while True:
+        probe, _ = computed_by_writer(writer, seed=next(PROBE_SEEDS))
+        if faulty.generate([probe])[0].num_cached_tokens > 0:
+            break
         assert time.monotonic() < deadline, "engine F did not recover"
         time.sleep(0.2)
 
@@ -81,9 +88,15 @@ def healthy(module_tier: TierProcess, proxy: FaultProxy, writer, faulty) -> None
 def computed_by_writer(writer: EngineProcess, seed: int) -> tuple[dict[str, str], list[int]]:
     prompt = {"prompt": prompt_text(PROMPT_WORDS, seed=seed)}
     (out,) = writer.generate([prompt])
-    assert out.num_cached_tokens == 0 or seed == 99  # the no-cache reference
+    assert out.num_cached_tokens == 0  # the no-cache reference
     writer.flush()
     return prompt, out.token_ids
+
+
+def assert_stored(tier: TierProcess, writer: EngineProcess, prompt: dict[str, str]) -> None:
+    """All 3 chunks of ``prompt`` are in the tier (so engine F's load is 3 chunks long)."""
+    with TierClient(tier.target) as client:
+        assert client.lookup(writer.chunk_keys(prompt["prompt"])) == 3
 
 
 def delta(engine: EngineProcess, before: dict[str, float], name: str) -> float:
@@ -104,13 +117,14 @@ def test_engine_serves_while_tier_absent(writer, faulty, proxy, healthy) -> None
 
 def test_tier_killed_mid_load_recomputes(writer, faulty, proxy, module_tier, healthy) -> None:
     prompt, expected = computed_by_writer(writer, seed=11)
+    assert_stored(module_tier, writer, prompt)
     before = faulty.stats()
     proxy.cut_after(CHUNK_BYTES + CHUNK_BYTES // 2)  # in the middle of the second chunk
     started = time.monotonic()
 
     (out,) = faulty.generate([prompt])
 
-    assert proxy.tripped
+    assert proxy.tripped, f"engine F loaded too little to reach the cut: {faulty.stats()}"
     module_tier.kill()
     assert out.token_ids == expected
     assert delta(faulty, before, "load_failed_blocks") == 6  # all 3 chunks of 2 blocks
@@ -120,8 +134,11 @@ def test_tier_killed_mid_load_recomputes(writer, faulty, proxy, module_tier, hea
     assert again.token_ids == expected
 
 
-def test_tier_frozen_mid_load_recomputes_within_deadline(writer, faulty, proxy, healthy) -> None:
+def test_tier_frozen_mid_load_recomputes_within_deadline(
+    writer, faulty, proxy, module_tier, healthy
+) -> None:
     prompt, expected = computed_by_writer(writer, seed=12)
+    assert_stored(module_tier, writer, prompt)
     before = faulty.stats()
     proxy.stall_after(CHUNK_BYTES // 2)
     started = time.monotonic()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -142,10 +143,20 @@ def test_tier_settings_are_the_server_flags_as_env_vars() -> None:
 
 
 @pytest.mark.parametrize("name", ["defaults", "everything", "ram only"])
-def test_the_server_parses_every_setting_the_operator_emits(name: str) -> None:
+def test_the_server_parses_every_setting_the_operator_emits(name: str, tmp_path: Path) -> None:
     from kvtier.cacheserver.settings import parse
 
-    settings = by_kind(tier_children(**TIERS[name]), "ConfigMap")["data"]
+    children = tier_children(**TIERS[name])
+    settings = dict(by_kind(children, "ConfigMap")["data"])
+    # Paths the server checks at start are mounted into the pod; here a local stand-in.
+    (container,) = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    for key, value in list(settings.items()):
+        if key == "KVTIER_AUTH_TOKENS" or key.endswith("_FILE"):
+            assert any(value.startswith(m) for m in mounted), f"{key}={value} is not mounted"
+            stand_in = tmp_path / key
+            stand_in.mkdir() if key == "KVTIER_AUTH_TOKENS" else stand_in.write_text("x")
+            settings[key] = str(stand_in)
     parsed = parse([], env=settings)
     assert parsed.ram_bytes == parse_bytes(TIERS[name].get("ramBytes", "2Gi"))
     assert "KVTIER_RAM_RECYCLE_BYTES" in settings or parsed.ram_recycle_bytes == 256 << 20
