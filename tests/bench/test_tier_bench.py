@@ -86,3 +86,26 @@ def test_markdown_tables_are_well_formed(tiny_run: tuple[dict[str, Any], str, st
         widths = {row.count("|") for row in table}
         assert len(widths) == 1, table
         assert set(table[1].replace("|", "").replace(":", "")) == {"-"}
+
+
+def test_a_goal_against_a_baseline_left_out_of_the_run_is_not_listed() -> None:
+    """`--backends "raw TCP,kvtier RAM"`: no redis-py goal (it was never measured, so it is
+    neither met nor missed); the raw TCP and 64 MiB goals are judged as usual."""
+    from bench.tier import Cell, Results
+
+    config = {"backends": ["raw TCP", "kvtier RAM"], "sizes_mib": [4, 64], "clients": [1],
+              "rounds": 1, "frame_bytes": 4 << 20, "batch_mib": 64, "mib_per_client": 64}  # fmt: skip
+    machine = {"cpus": 2, "cpu_model": "any", "python": "3"}
+    results = Results(config, machine)
+    speeds = {("raw TCP", 4): 4.0, ("raw TCP", 64): 4.0, ("kvtier RAM", 4): 2.0, ("kvtier RAM", 64): 1.0}
+    for (backend, size), gbps in speeds.items():
+        for op in ("GET", "PUT"):
+            results.cells[(backend, op, size, 1)] = Cell(backend, op, size, 1, [gbps], 1 << 30, 0.1)
+
+    goals = {(g["goal"], g["op"], g["size_mib"]): (g["ratio"], g["met"]) for g in results.goals()}
+
+    assert not any("redis-py" in goal for goal, _, _ in goals)
+    assert goals[("GET >= 60% of raw TCP", "GET", 4)] == (0.5, False)
+    assert goals[("PUT >= 50% of raw TCP", "PUT", 4)] == (0.5, True)
+    assert goals[("64 MiB >= 0.9x 4 MiB", "GET", 64)] == (0.5, False)
+    assert "redis-py" not in results.markdown()
