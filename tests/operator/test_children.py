@@ -155,7 +155,10 @@ def test_the_server_parses_every_setting_the_operator_emits(name: str, tmp_path:
         if key == "KVTIER_AUTH_TOKENS" or key.endswith("_FILE"):
             assert any(value.startswith(m) for m in mounted), f"{key}={value} is not mounted"
             stand_in = tmp_path / key
-            stand_in.mkdir() if key == "KVTIER_AUTH_TOKENS" else stand_in.write_text("x")
+            if key == "KVTIER_AUTH_TOKENS":  # a folder of tenant token files
+                stand_in.mkdir()
+            else:
+                stand_in.write_text("x")
             settings[key] = str(stand_in)
     parsed = parse([], env=settings)
     assert parsed.ram_bytes == parse_bytes(TIERS[name].get("ramBytes", "2Gi"))
