@@ -1,93 +1,39 @@
-"""The ``kvtier`` command: ``kvtier server``, ``kvtier operator``, ``kvtier bench``."""
+"""The ``kvtier`` command of a full install: ``kvtier server``, ``kvtier operator``, ``kvtier bench``.
+
+Each command is its distribution's own entry point (``kvtier-server``,
+``kvtier-operator``); this dispatcher is what ``pip install kvtier`` (every part)
+adds on top.
+"""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
 import sys
-from collections.abc import Sequence
-
-SERVER_EPILOG = """\
-Every flag can also be set with the env var shown in its help (a flag wins).
-Tiers: RAM always; the disk tier unless --disk-bytes 0; Redis when --redis-url
-is given. Reads go RAM -> disk -> Redis and promote hits upwards; writes land
-in RAM and are written behind to the other tiers (--write-policy).
-
-Examples:
-  kvtier server                                   # RAM 2GiB + disk 20GiB, port 50051
-  kvtier server --ram-bytes 8GiB --disk-dir /nvme/kvtier --disk-bytes 500GiB
-  KVTIER_REDIS_PASSWORD=... kvtier server --redis-url redis://redis:6379/0
-  kvtier server --redis-url redis+cluster://10.0.0.5:6379   # Redis Cluster
-
-The wire contract is docs/protocol.md; health: grpc.health.v1 on the same port.
-"""
+from collections.abc import Callable, Sequence
 
 
 def _server(argv: Sequence[str]) -> int:
-    from kvtier.cacheserver import settings as settings_mod
-    from kvtier.cacheserver.errors import SettingsError, TierFailure
+    from kvtier.cacheserver.cli import main
 
-    parser = argparse.ArgumentParser(
-        prog="kvtier server",
-        description="Run the kvtier cache tier: a gRPC KV-chunk store for vLLM engines.",
-        epilog=SERVER_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    settings_mod.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    try:
-        settings = settings_mod.from_args(args)
-    except SettingsError as exc:
-        parser.error(str(exc))
-    _logging(settings.log_level)
-    from kvtier.cacheserver.server import serve
-
-    try:
-        return asyncio.run(serve(settings))
-    except SettingsError as exc:
-        parser.error(str(exc))
-    except (TierFailure, OSError) as exc:
-        print(f"kvtier server: {exc}", file=sys.stderr)
-        return 1
+    return main(argv, prog="kvtier server")
 
 
 def _operator(argv: Sequence[str]) -> int:
     try:
-        from kvtier.operator.main import run  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as exc:  # the operator extra is not installed
-        print(f"kvtier operator: {exc}; install with: pip install 'kvtier[operator]'", file=sys.stderr)
+        from kvtier.operator.main import run
+    except ImportError as exc:  # kvtier-operator (kopf) is not installed
+        print(f"kvtier operator: {exc}; install with: pip install kvtier-operator", file=sys.stderr)
         return 1
-    return int(run(list(argv)))
+    return run(argv)
 
 
 def _bench(argv: Sequence[str]) -> int:
-    """Runs bench/ of the source checkout this kvtier is installed from (editable install)."""
-    from pathlib import Path
+    from kvtier.bench.cli import main
 
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "bench" / "cli.py").is_file():
-        print(
-            "kvtier bench: the benchmarks live in bench/ of a source checkout; "
-            "clone kvtier, run scripts/setup, then .venv/bin/kvtier bench",
-            file=sys.stderr,
-        )
-        return 1
-    sys.path.insert(0, str(root))
-    from bench.cli import main as bench_main  # type: ignore[import-not-found,unused-ignore]
-
-    return int(bench_main(list(argv)))
+    return main(list(argv))
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
-COMMANDS = {
-    "server": (_server, "run the cache tier (gRPC; RAM + disk, optional Redis)"),
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "server": (_server, "run the cache tier (gRPC + data port; RAM + disk, optional Redis)"),
     "operator": (_operator, "run the Kubernetes operator (ModelRecipe, CacheTier)"),
     "bench": (_bench, "run the benchmarks (tier data path, end to end, keys)"),
 }

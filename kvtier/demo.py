@@ -1,22 +1,22 @@
 """A tiny end-to-end demo: a local ``kvtier server`` and a tiny vLLM multimodal model.
 
 Run from a kvtier checkout with ``scripts/demo`` (which does the set-up first).
-It builds a tiny random-weight Qwen2.5-VL (tests/tinymodels, seconds), starts a
-tier (RAM + disk under a temporary directory), and a vLLM engine on the CPU with
-the kvtier connector and vLLM's local prefix cache off, so every hit comes from
-the tier. Then:
+It builds a tiny random-weight Qwen2.5-VL (kvtier.testing.tinymodels, seconds),
+starts a tier as production runs it (RAM + disk under a temporary directory, the
+data port on), and a vLLM engine on the CPU with the kvtier connector and vLLM's
+local prefix cache off, so every hit comes from the tier. Then:
 
 1. text + image A: computed, and its full 256-token chunks saved to the tier;
 2. the same again: loaded from the tier (hit tokens printed), same output;
-3. the same text + image B: only the chunk before the image hits.
+3. the same text + image B: only the chunks before the image hit.
 
 The model's weights are random, so its words are noise; the numbers are the point.
+It exits 1, saying what went wrong, if a request hits other than that.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import subprocess
 import sys
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 256
 
 
@@ -52,29 +51,37 @@ def run(work: Path) -> int:
         VLLM_LOGGING_LEVEL="ERROR",
         TOKENIZERS_PARALLELISM="false",
     )
-    port, metrics_port = _free_port(), _free_port()
+    port, data_port, metrics_port = _free_ports(3)
     log = (work / "tier.log").open("w")
     tier = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvtier.cli", "server", "--host", "127.0.0.1",
-         "--port", str(port), "--metrics-port", str(metrics_port), "--ram-bytes", "256MiB",
-         "--disk-dir", str(work / "tier-disk"), "--disk-bytes", "1GiB"],
+        [sys.executable, "-m", "kvtier.cacheserver", "--host", "127.0.0.1",
+         "--port", str(port), "--data-port", str(data_port), "--metrics-port", str(metrics_port),
+         "--ram-bytes", "256MiB", "--disk-dir", str(work / "tier-disk"), "--disk-bytes", "1GiB"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         target = f"127.0.0.1:{port}"
         _wait_for_tier(target, tier)
-        print(
-            f"[demo] kvtier server on {target} (metrics: http://127.0.0.1:{metrics_port}/metrics)"
-        )
-        _engine_demo(model, target)
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        print(f"[demo] kvtier server on {target}, data port {data_port} (metrics: {metrics})")
+        problems = _engine_demo(model, target)
+        calls = _data_port_calls(metrics)
+        print(f"[demo] the tier answered {calls['DataGet']} Get and {calls['DataPut']} Put calls on its data port")
+        if not (calls["DataGet"] and calls["DataPut"]):
+            problems.append("the engine did not use the tier's data port")
     finally:
         tier.terminate()
         tier.wait(30)
         log.close()
-    return 0
+    for problem in problems:
+        print(f"[demo] FAILED: {problem}", file=sys.stderr)
+    if not problems:
+        print("[demo] OK: repeats load from the tier, another image misses from the image on")
+    return 1 if problems else 0
 
 
-def _engine_demo(model: Path, target: str) -> None:
+def _engine_demo(model: Path, target: str) -> list[str]:
+    """Runs the three requests; what went other than the module docstring says."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -96,7 +103,8 @@ def _engine_demo(model: Path, target: str) -> None:
         ),
     )
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    prompt_text = _tinymodels().prompt_text
+    from kvtier.testing.tinymodels import prompt_text
+
     text = (
         "<|im_start|>user\n"
         + prompt_text(150, seed=1)
@@ -105,7 +113,9 @@ def _engine_demo(model: Path, target: str) -> None:
         + "<|im_end|>\n<|im_start|>assistant\n"
     )
 
-    def ask(label: str, image_seed: int) -> list[int]:
+    image_pad = llm.get_tokenizer().convert_tokens_to_ids("<|image_pad|>")
+
+    def ask(label: str, image_seed: int) -> tuple[list[int], int, int, int]:
         started = time.perf_counter()
         (out,) = llm.generate(
             [{"prompt": text, "multi_modal_data": {"image": _image(image_seed)}}],
@@ -119,28 +129,32 @@ def _engine_demo(model: Path, target: str) -> None:
             f"hit tokens from the tier: {out.num_cached_tokens}, {elapsed:.2f}s, "
             f"output ids {list(out.outputs[0].token_ids)[:6]}..."
         )
-        return list(out.outputs[0].token_ids)
+        ids = list(out.prompt_token_ids or ())
+        return list(out.outputs[0].token_ids), out.num_cached_tokens, len(ids), ids.index(image_pad)
 
-    first = ask("request 1 (text + image A)     ", 1)
-    second = ask("request 2 (same text + image A)", 1)
-    ask("request 3 (same text + image B)", 2)
+    first, hits1, length, image_at = ask("request 1 (text + image A)     ", 1)
+    second, hits2, _, _ = ask("request 2 (same text + image A)", 1)
+    _, hits3, _, _ = ask("request 3 (same text + image B)", 2)
+    whole, before_image = length // CHUNK * CHUNK, image_at // CHUNK * CHUNK
     print(f"[demo] request 2 output identical to request 1: {first == second}")
-    print("[demo] request 3 hits only the chunk before the image: the image is part of the keys")
-
-
-def _tinymodels() -> Any:
-    """tests/tinymodels of this checkout (the tiny model factory the tests use too)."""
-    if str(ROOT) not in sys.path:
-        sys.path.append(str(ROOT))  # appended: the checkout must not shadow the stdlib
-    try:
-        return importlib.import_module("tests.tinymodels")
-    except ImportError as exc:
-        raise SystemExit("the demo runs from a kvtier checkout (tests/tinymodels)") from exc
+    print(
+        f"[demo] request 3 hits only the {before_image} tokens of the chunks before the image "
+        f"(it starts at token {image_at}): the image is part of the keys"
+    )
+    problems = []
+    if first != second:
+        problems.append("request 2's output differs from request 1's")
+    for n, (hits, want) in enumerate(((hits1, 0), (hits2, whole), (hits3, before_image)), 1):
+        if hits != want:
+            problems.append(f"request {n} hit {hits} tokens from the tier, not {want}")
+    return problems
 
 
 def _tiny_model(path: Path) -> Path:
+    from kvtier.testing.tinymodels import build_vl_model
+
     print(f"[demo] building a tiny random-weight Qwen2.5-VL in {path}")
-    return Path(_tinymodels().build_vl_model(path))
+    return Path(build_vl_model(path))
 
 
 def _image(seed: int) -> Any:
@@ -151,12 +165,32 @@ def _image(seed: int) -> Any:
     return Image.fromarray(pixels)
 
 
-def _free_port() -> int:
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free 127.0.0.1 ports (held open together while chosen)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _data_port_calls(metrics_url: str) -> dict[str, int]:
+    """The tier's answered data-port Get and Put calls, from its /metrics."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    calls = {"DataGet": 0, "DataPut": 0}
+    for op in calls:
+        for match in re.finditer(rf'^kvtier_server_requests_total{{[^}}]*op="{op}"[^}}]*}} (\S+)$', text, re.M):
+            calls[op] += int(float(match.group(1)))
+    return calls
 
 
 def _wait_for_tier(target: str, proc: subprocess.Popen[bytes]) -> None:

@@ -20,7 +20,6 @@ import argparse
 import json
 import random
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +31,10 @@ STEP_S = 2.0
 
 
 def collect(out: Path, seconds: float) -> None:
-    sys.path.insert(0, str(ROOT))
-    from tests.observability.procs import Prometheus, VllmServer
-    from tests.observability.queries import concrete, dashboards
-    from tests.tierproc import TierProcess
-    from tests.tinymodels import build_vl_model, prompt_text
+    from kvtier.testing.queries import concrete, dashboards
+    from kvtier.testing.servers import Prometheus, VllmServer
+    from kvtier.testing.tierproc import TierProcess
+    from kvtier.testing.tinymodels import build_vl_model, prompt_text
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-render-"))
     # A small RAM tier: evictions, then disk hits and promotions show up.

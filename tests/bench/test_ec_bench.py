@@ -1,4 +1,4 @@
-"""The encoder-cache harness (bench/ec.py) runs end to end in its --tiny mode.
+"""The encoder-cache harness (kvtier/bench/ec.py) runs end to end in its --tiny mode.
 
 A smoke test, not a speed test: three engines run the workload, the cached engine
 loads every picture from the tier without running its encoder, the first tokens
@@ -9,7 +9,6 @@ asserted.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +25,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     work = tmp_path_factory.mktemp("bench-ec")
     out = work / "ec.json"
-    # `python -m bench` needs the repository root on sys.path; appended, so the
-    # root's operator/ folder cannot shadow the standard library's module.
-    code = "import sys; sys.path.append(sys.argv[1]); from bench.cli import main; sys.exit(main(sys.argv[2:]))"
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), "ec", "--tiny", "--work", str(work), "--json", str(out)],
+        [sys.executable, "-m", "kvtier.bench", "ec", "--tiny", "--work", str(work), "--json", str(out)],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text()), proc.stdout

@@ -1,4 +1,4 @@
-"""The keys harness (bench/keys.py) runs through ``kvtier bench keys``.
+"""The keys harness (kvtier/bench/keys.py) runs through ``kvtier bench keys``.
 
 A smoke test, not a speed test: one round of every row (kvtier's chunk keys with
 and without its C helper, and vLLM's own block hasher with sha256 and xxhash, on the
@@ -7,7 +7,6 @@ same 32k-token prompt with images) lands in a well-formed table. No time is asse
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +31,9 @@ ROWS = [
 
 
 def test_kvtier_bench_keys_prints_every_row_against_vllms_block_hasher() -> None:
-    code = "import sys; sys.path.append(sys.argv[1]); from bench.cli import main; sys.exit(main(sys.argv[2:]))"
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), "keys", "--repeat", "1"],
+        [sys.executable, "-m", "kvtier.bench", "keys", "--repeat", "1"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
@@ -45,3 +42,19 @@ def test_kvtier_bench_keys_prints_every_row_against_vllms_block_hasher() -> None
     assert table[2].endswith("| 1.00 |")
     for row in table[2:]:
         assert float(row.split("|")[2]) > 0
+
+
+def test_hash_options_add_the_per_chunk_sha256_and_blake3_rows() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.bench", "keys", "--repeat", "1", "--no-vllm",
+         "--hash-options"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    extra = [
+        "sha256 (hashlib) per 1 KiB chunk, 128 calls",
+        "blake3 per 1 KiB chunk, 128 calls",
+        "one blake3 over the packed tokens (128 KiB)",
+    ]
+    assert [row.split("|")[1].strip() for row in table[2:]] == [*ROWS[:10], *extra]

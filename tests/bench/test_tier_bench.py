@@ -1,4 +1,4 @@
-"""The tier data-path harness (bench/tier.py) runs end to end in its --tiny mode.
+"""The tier data-path harness (kvtier/bench/tier.py) runs end to end in its --tiny mode.
 
 A smoke test, not a speed test: it proves that every backend starts, moves
 values both ways (each byte checked) and lands in a well-formed results table.
@@ -8,7 +8,6 @@ No throughput is asserted.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,19 +16,18 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = {"raw TCP", "redis-py", "LMCache", "kvtier RAM", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis"}
+BACKENDS = {
+    "raw TCP", "memcpy", "redis-py", "LMCache", "kvtier RAM", "kvtier same-node", "kvtier RAM gRPC",
+    "plain file", "kvtier disk", "kvtier Redis",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
     out = tmp_path_factory.mktemp("bench") / "tier.json"
-    # `python -m bench` needs the repository root on sys.path; appended, so the
-    # root's operator/ folder cannot shadow the standard library's module.
-    code = "import sys; sys.path.append(sys.argv[1]); from bench.cli import main; sys.exit(main(sys.argv[2:]))"
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), "tier", "--tiny", "--json", str(out)],
+        [sys.executable, "-m", "kvtier.bench", "tier", "--tiny", "--json", str(out)],
         capture_output=True, text=True, timeout=1200, cwd=ROOT,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), proc.stdout, proc.stderr
@@ -65,9 +63,22 @@ def test_results_cover_every_cell_with_positive_throughput(
 
 def test_goals_are_reported_for_kvtier(tiny_run: tuple[dict[str, Any], str, str]) -> None:
     data, stdout, _ = tiny_run
-    assert set(data["goals"]) == {"kvtier RAM", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis"}
+    assert set(data["goals"]) == {"kvtier RAM", "kvtier same-node", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis"}
     assert all(isinstance(g["met"], bool) for g in data["goals"]["kvtier RAM"])
     assert "Goals (kvtier RAM):" in stdout
+
+
+def test_the_redis_and_disk_tiers_are_held_to_their_own_ceilings(tiny_run: tuple[dict[str, Any], str, str]) -> None:
+    data, stdout, _ = tiny_run
+    cfg = data["config"]
+    every_cell = len(cfg["sizes_mib"]) * len(cfg["clients"]) * 2
+    for tier, goal in (("kvtier Redis", ">= 0.9x redis-py"), ("kvtier disk", ">= 0.8x plain file")):
+        goals = data["goals"][tier]
+        assert len(goals) == every_cell and {g["goal"] for g in goals} == {goal}
+        assert all(g["ratio"] > 0 and isinstance(g["met"], bool) for g in goals)
+        assert f"Goals ({tier}):" in stdout
+    rows = [r for r in data["results"] if r["backend"] == "kvtier disk"]
+    assert all(r["ratio_to_plain file"] > 0 for r in rows)
 
 
 def test_markdown_tables_are_well_formed(tiny_run: tuple[dict[str, Any], str, str]) -> None:
@@ -91,7 +102,7 @@ def test_markdown_tables_are_well_formed(tiny_run: tuple[dict[str, Any], str, st
 def test_a_goal_against_a_baseline_left_out_of_the_run_is_not_listed() -> None:
     """`--backends "raw TCP,kvtier RAM"`: no redis-py goal (it was never measured, so it is
     neither met nor missed); the raw TCP and 64 MiB goals are judged as usual."""
-    from bench.tier import Cell, Results
+    from kvtier.bench.tier import Cell, Results
 
     config = {"backends": ["raw TCP", "kvtier RAM"], "sizes_mib": [4, 64], "clients": [1],
               "rounds": 1, "frame_bytes": 4 << 20, "batch_mib": 64, "mib_per_client": 64}  # fmt: skip
@@ -109,3 +120,28 @@ def test_a_goal_against_a_baseline_left_out_of_the_run_is_not_listed() -> None:
     assert goals[("PUT >= 50% of raw TCP", "PUT", 4)] == (0.5, True)
     assert goals[("64 MiB >= 0.9x 4 MiB", "GET", 64)] == (0.5, False)
     assert "redis-py" not in results.markdown()
+
+
+def test_same_node_goals_are_judged_against_raw_tcp_and_memcpy_of_the_same_run() -> None:
+    """Issue 18: >= 2x raw TCP and >= 0.5x memcpy, GET and PUT at 4, 16 and 64 MiB."""
+    from kvtier.bench.tier import Cell, Results
+
+    config = {"backends": ["raw TCP", "memcpy", "kvtier same-node"], "sizes_mib": [1, 4], "clients": [1],
+              "rounds": 1, "frame_bytes": 4 << 20, "batch_mib": 64, "mib_per_client": 64}  # fmt: skip
+    results = Results(config, {"cpus": 2, "cpu_model": "any", "python": "3"})
+    speeds = {"raw TCP": 3.0, "memcpy": 10.0, "kvtier same-node": 6.5}
+    for backend, gbps in speeds.items():
+        for size in (1, 4):
+            for op in ("GET", "PUT"):
+                results.cells[(backend, op, size, 1)] = Cell(backend, op, size, 1, [gbps], 1 << 30, 0.1)
+
+    goals = {(g["goal"], g["op"], g["size_mib"]): (round(g["ratio"], 2), g["met"])
+             for g in results.goals("kvtier same-node")}  # fmt: skip
+
+    assert goals == {
+        (">= 2x raw TCP", "GET", 4): (2.17, True),
+        (">= 2x raw TCP", "PUT", 4): (2.17, True),
+        (">= 0.5x memcpy", "GET", 4): (0.65, True),
+        (">= 0.5x memcpy", "PUT", 4): (0.65, True),
+    }  # 1 MiB is not among the goal's sizes
+    assert "Goals (kvtier same-node):" in results.markdown()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
+from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 
 
 @pytest.fixture

@@ -15,16 +15,16 @@ from kvtier.connector.client import TierClient
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import datawire as dw
 from kvtier.proto.datawire import Op, Status
-from tests.redisprocs import TlsFiles, free_port
-from tests.tierproc import TierProcess
+from kvtier.testing.redisprocs import TlsFiles
+from kvtier.testing.tierproc import TierProcess
 
 TOKEN_A = "a" * 24 + "-tenant-a-token"
 TOKEN_B = "b" * 24 + "-tenant-b-token"
 
 
 def start_data_tier(start_tier: Callable[..., TierProcess], *flags: str) -> tuple[TierProcess, int]:
-    port = free_port()
-    return start_tier("--data-port", str(port), *flags), port
+    tier = start_tier(*flags, data_port=True)
+    return tier, tier.data_port
 
 
 @pytest.fixture
@@ -324,7 +324,8 @@ def test_tls_and_mutual_tls_protect_the_data_port(
 # -- choosing the path -------------------------------------------------------------------------
 
 
-def test_auto_uses_grpc_when_the_tier_has_no_data_port(tier: TierProcess) -> None:
+def test_auto_uses_grpc_when_the_tier_has_no_data_port(start_tier: Callable[..., TierProcess]) -> None:
+    tier = start_tier(data_port=False)
     with TierClient(tier.target) as auto:
         auto.put([(b"k", b"v")])
         assert as_bytes(auto.get([b"k"])) == [b"v"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.connector.client import TierClient
-from tests.tierproc import TierProcess
+from kvtier.testing.tierproc import TierProcess
 
 FS_BYTES = 4 << 20
 VALUE = 512 << 10  # seven values and a bit fill the filesystem

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.proto import SERVICE_NAME, wire
-from tests.tierproc import TierProcess, health_status
+from kvtier.testing.tierproc import TierProcess, health_status
 
 EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "150"))
 ALLOWED = {

@@ -1,4 +1,4 @@
-"""The RAM tier recycles dropped values' buffers for new Puts (proto/buffers.py).
+"""The RAM tier recycles dropped values' buffers for new Puts (proto/kvtier/proto/buffers.py).
 
 On real tier processes over real sockets: a recycled buffer never serves an old
 value's bytes, a buffer some Get still sends is not recycled, and values plus
@@ -19,8 +19,8 @@ from kvtier.cacheserver.ram import RamTier
 from kvtier.connector.client import TierClient
 from kvtier.proto import datawire as dw
 from kvtier.proto.datawire import Op, Status
+from kvtier.testing.tierproc import TierProcess
 from tests.cacheserver.test_dataport import raw_connect, read_reply, recv_exact, start_data_tier
-from tests.tierproc import TierProcess
 
 MIB = 1 << 20
 POOLED = "kvtier_ram_recycled_bytes"

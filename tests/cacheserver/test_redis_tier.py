@@ -15,7 +15,7 @@ from redis.crc import key_slot
 from kvtier.cacheserver import record
 from kvtier.cacheserver.errors import SettingsError, TierFailure
 from kvtier.cacheserver.redis_tier import KEY_PREFIX, RedisTier
-from tests.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
+from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 
 KEY = b"\x07default\x00chunk-key\xff"
 VALUE = b"kv-bytes " * 100

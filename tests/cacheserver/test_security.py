@@ -13,8 +13,8 @@ import pytest
 from kvtier.connector.client import TierClient
 from kvtier.connector.errors import TierRejected, TierUnavailable
 from kvtier.proto import SERVICE_NAME, cache_pb2
-from tests.redisprocs import TlsFiles
-from tests.tierproc import TierProcess
+from kvtier.testing.redisprocs import TlsFiles
+from kvtier.testing.tierproc import TierProcess
 
 TOKEN_A = "a" * 24 + "-tenant-a-token"
 TOKEN_B = "b" * 24 + "-tenant-b-token"
@@ -90,7 +90,7 @@ def test_forged_tenant_metadata_is_ignored(secured: TierProcess) -> None:
 def test_health_stays_open_without_a_token(secured: TierProcess) -> None:
     from grpc_health.v1 import health_pb2
 
-    from tests.tierproc import health_status
+    from kvtier.testing.tierproc import health_status
 
     assert health_status(secured.target) == health_pb2.HealthCheckResponse.SERVING
 

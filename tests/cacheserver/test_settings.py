@@ -38,6 +38,10 @@ def test_a_flag_wins_over_its_env_var() -> None:
         (("--ram-bytes", "0"), "--ram-bytes (env KVTIER_RAM_BYTES): must be greater than 0"),
         (("--port", "70000"), "--port='70000' is invalid: expected a port number 0..65535"),
         (("--max-key-bytes", "2048"), "--max-key-bytes (env KVTIER_MAX_KEY_BYTES): must be at most 1024"),
+        (
+            ("--incoming-bytes", "64MiB"),
+            "--incoming-bytes (env KVTIER_INCOMING_BYTES): 64MiB is less than --max-value-bytes (256MiB)",
+        ),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_flag_its_env_var_and_what_it_accepts(

@@ -104,3 +104,40 @@ async def test_write_through_puts_return_after_every_tier_holds_the_value(tmp_pa
     await store.put(b"k", b"v")
     assert (await disk.contains([b"k"])) == [True]
     await store.close()
+
+
+class GatedDisk(DiskTier):
+    """A real disk tier whose writes wait for ``gate`` (a slow disk, held at will)."""
+
+    def __init__(self, directory: Path, capacity: int) -> None:
+        super().__init__(directory, capacity)
+        self.gate = asyncio.Event()
+        self.writing = asyncio.Event()
+
+    async def put(self, key: bytes, value: bytes | memoryview) -> bool:
+        self.writing.set()
+        await self.gate.wait()
+        return await super().put(key, value)
+
+
+async def test_a_value_evicted_from_ram_while_its_disk_copy_is_being_written_is_still_found(tmp_path: Path) -> None:
+    ram = RamTier(1 << 20)
+    disk = GatedDisk(tmp_path, 100 << 20)
+    await disk.open()
+    store = TieredStore([ram, disk], StorePolicy(probe_interval_s=0.1), ServerMetrics(CollectorRegistry()))
+    store.start()
+    try:
+        value = b"v" * 300_000
+        assert await store.put(b"k", value)
+        await asyncio.wait_for(disk.writing.wait(), 5)  # the copy is taken: in flight, not pending
+        await ram.delete([b"k"])  # RAM evicts it before the disk holds it
+        got = await store.get(b"k")
+        assert got is not None and bytes(got) == value
+        assert await store.lookup([b"k"]) == 1
+        disk.gate.set()
+        assert await store.drain(5)
+        got = await store.get(b"k")
+        assert got is not None and bytes(got) == value
+    finally:
+        disk.gate.set()
+        await store.close()

@@ -11,8 +11,7 @@ import pytest
 
 from kvtier.connector.client import TierClient
 from kvtier.connector.errors import ConfigError, TierRejected, TierUnavailable
-from tests.redisprocs import free_port
-from tests.tierproc import TierProcess
+from kvtier.testing.tierproc import TierProcess
 
 TOKEN = "t" * 24 + "-tenant-a-token"
 DOWN_S = 6.0  # long enough for gRPC's default backoff to grow past 4 s (1, 1.6, 2.6 s...)
@@ -30,9 +29,7 @@ def secured(tmp_path: Path) -> Iterator[TierProcess]:
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     (tokens / "team-a").write_text(TOKEN)
-    tier = TierProcess.start(
-        tmp_path / "tier", "--auth-tokens", str(tokens), "--data-port", str(free_port())
-    )
+    tier = TierProcess.start(tmp_path / "tier", "--auth-tokens", str(tokens))
     yield tier
     tier.stop()
 

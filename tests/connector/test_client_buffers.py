@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from kvtier.connector.client import TierClient
-from tests.redisprocs import free_port
-from tests.tierproc import TierProcess
+from kvtier.testing.tierproc import TierProcess
 
 MIB = 1 << 20
 PATHS = [
@@ -23,9 +22,7 @@ PATHS = [
 
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierProcess]:
-    tier = TierProcess.start(
-        tmp_path_factory.mktemp("tier"), "--data-port", str(free_port()), "--frame-bytes", str(MIB)
-    )
+    tier = TierProcess.start(tmp_path_factory.mktemp("tier"), "--frame-bytes", str(MIB))
     yield tier
     tier.stop()
 
@@ -96,3 +93,32 @@ def test_a_client_with_no_receive_buffers_keeps_nothing(tier: TierProcess) -> No
     with TierClient(tier.target, data_path="data", receive_buffer_bytes=0) as c:
         stored(c, big=os.urandom(2 * MIB))
         assert c.recycle(c.get([b"big"])) == 0
+
+
+def _numpy_bytes(size: int) -> object:
+    """A receive buffer of another kind, as the KV worker makes on a GPU (a numpy array
+    over a tensor's memory; there, a pinned tensor's)."""
+    return torch.empty(size, dtype=torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_values_are_received_into_the_buffers_an_allocator_makes_and_reused(
+    tier: TierProcess, path: dict[str, object]
+) -> None:
+    old, new = os.urandom(3 * MIB), os.urandom(3 * MIB)
+    with TierClient(tier.target, **path) as c:  # type: ignore[arg-type]
+        stored(c, old=old, new=new)
+        c.recycle(c.get([b"old"]))  # a bytearray kept before: dropped by the switch
+        c.receive_into(_numpy_bytes)
+
+        values = c.get([b"old"])
+        buffer = memoryview(values[0]).obj  # type: ignore[arg-type]
+        assert type(buffer).__name__ == "ndarray" and bytes(values[0]) == old  # type: ignore[arg-type]
+        buffer_id = id(buffer)
+        del buffer
+        assert c.recycle(values) == 1
+        (got,) = c.get([b"new"])
+
+        assert got is not None and bytes(got) == new
+        assert id(memoryview(got).obj) == buffer_id
+        assert c.recycle([memoryview(bytearray(3 * MIB))]) == 0  # another kind is not kept

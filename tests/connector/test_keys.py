@@ -4,7 +4,7 @@
 ``KEY_SCHEMA_VERSION`` and rewrite the vectors with
 ``.venv/bin/python -m tests.connector.test_keys --write-vectors``.
 
-Every test runs twice: with the C helper (``kvtier.connector._keyhash``) and with the
+Every test runs twice: with the C helper (``kvtier.connector.chunks._keyhash``) and with the
 pure-Python code that replaces it where it is not built.
 """
 
@@ -30,9 +30,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.connector import keys as keys_module
-from kvtier.connector.errors import ConfigError
-from kvtier.connector.keys import (
+from kvtier.connector.chunks import keys as keys_module
+from kvtier.connector.chunks.keys import (
     HASH_ALGOS,
     KEY_SCHEMA_VERSION,
     KeyChain,
@@ -42,6 +41,7 @@ from kvtier.connector.keys import (
     key_fingerprint,
     pack_token_ids,
 )
+from kvtier.connector.errors import ConfigError
 
 VECTORS = Path(__file__).with_name("key_vectors.json")
 UNTIMED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -323,7 +323,7 @@ def test_a_token_id_that_is_not_a_u32_int_is_rejected(bad: Any) -> None:
 def test_the_c_helper_is_built() -> None:
     """scripts/setup builds it (gcc, Python headers, libssl-dev, libxxhash-dev): without
     it keys are the same bytes, computed about twice as slowly."""
-    helper = importlib.import_module("kvtier.connector._keyhash")
+    helper = importlib.import_module("kvtier.connector.chunks._keyhash")
     assert helper.pack_u32([1, 2**32 - 1]) == array("I", [1, 2**32 - 1]).tobytes()
 
 
@@ -334,7 +334,7 @@ def test_the_c_helper_is_built() -> None:
 def test_the_c_helper_refuses_what_keys_never_asks(
     algo: str, data: bytes, chunk_bytes: int, error: str
 ) -> None:
-    helper = importlib.import_module("kvtier.connector._keyhash")
+    helper = importlib.import_module("kvtier.connector.chunks._keyhash")
     with pytest.raises(ValueError, match=error):
         helper.chain(algo, b"", b"", data, chunk_bytes, 0, {})
 
@@ -433,7 +433,7 @@ def test_key_fingerprints_are_16_bytes_and_differ_between_keys() -> None:
 
 def test_keys_are_identical_in_interpreters_with_different_hash_seeds() -> None:
     script = (
-        "from kvtier.connector.keys import KeySpec, MMItem, chunk_keys\n"
+        "from kvtier.connector.chunks.keys import KeySpec, MMItem, chunk_keys\n"
         "items = [MMItem('user-uuid-1', 300, 200), MMItem('" + IMAGE_A + "', 600, 256)]\n"
         "keys = chunk_keys(range(1024), items, KeySpec('m', kv_layout='x'), 'salt')\n"
         "print(','.join(key.hex() for key in keys))\n"
@@ -632,7 +632,7 @@ def write_vectors() -> None:
     if changed:
         sys.exit(
             f"the keys of {', '.join(map(repr, changed))} changed but KEY_SCHEMA_VERSION is "
-            f"still {KEY_SCHEMA_VERSION}: bump it in connector/keys.py first (old entries must miss)"
+            f"still {KEY_SCHEMA_VERSION}: bump it in connector/kvtier/connector/keys.py first (old entries must miss)"
         )
     lines = ",\n".join(json.dumps(vector) for vector in vectors)
     VECTORS.write_text(

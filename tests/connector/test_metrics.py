@@ -85,18 +85,15 @@ def test_every_connector_series_and_its_label_is_documented() -> None:
     and every verification-failure reason."""
     from pathlib import Path
 
-    from kvtier.connector import ec_metrics
     from kvtier.connector.errors import CHUNK_ERROR_REASONS
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
     rows = {line.split("`")[1]: line for line in doc.splitlines() if line.startswith("| `kvtier_")}
     expected: dict[str, str | None] = {}
-    for prefix, counters, histograms, gauges in (
-        (metrics.PREFIX, metrics.COUNTERS, metrics.HISTOGRAMS, metrics.GAUGES),
-        (ec_metrics.PREFIX, ec_metrics.COUNTERS, ec_metrics.HISTOGRAMS, {}),
-    ):
-        expected |= {f"{prefix}{name}_total": label for name, (_, label) in counters.items()}
-        expected |= {prefix + name: None for name in (*histograms, *gauges)}
+    for series in (metrics.KV, metrics.EC):
+        prefix = series.prefix
+        expected |= {f"{prefix}{name}_total": label for name, (_, label) in series.counters.items()}
+        expected |= {prefix + name: None for name in (*series.histograms, *series.gauges)}
     assert sorted(set(expected) - set(rows)) == []
     for name, label in expected.items():
         cells = rows[name].split("|")

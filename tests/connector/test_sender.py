@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.connector.breaker import CircuitBreaker
 from kvtier.connector.client import TierClient
+from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.metrics import Recorder
 from kvtier.connector.sender import SaveSender
-from tests.tierproc import TierProcess
+from kvtier.testing.tierproc import TierProcess
 
 
 def sender_for(client: TierClient, recorder: Recorder) -> SaveSender:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.connector.breaker import BreakerState, CircuitBreaker
+from kvtier.connector.client.breaker import BreakerState, CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import ConfigError
 
@@ -42,12 +42,25 @@ def test_config_rejects_unknown_key_and_lists_accepted_ones() -> None:
         ("receive_buffer_bytes", -1),
         ("receive_buffer_bytes", "256MiB"),
         ("receive_buffer_bytes", False),
+        ("layerwise", "false"),
+        ("layerwise", 0),
     ],
 )
 def test_config_rejects_bad_value_naming_the_key(key: str, value: object) -> None:
     extra = {"target": "127.0.0.1:1", key: value}
     with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}"):
         ConnectorConfig.from_extra_config(extra)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing vLLM's model stack
+def test_layerwise_copies_ask_vllm_for_piecewise_cuda_graphs_unless_turned_off() -> None:
+    from kvtier.connector.vllm import KvtierConnector
+
+    assert ConnectorConfig.from_extra_config({"target": "h:1"}).layerwise is True
+    assert KvtierConnector.requires_piecewise_for_cudagraph({"target": "h:1"}) is True
+    off = {"target": "h:1", "layerwise": False}
+    assert ConnectorConfig.from_extra_config(off).layerwise is False
+    assert KvtierConnector.requires_piecewise_for_cudagraph(off) is False
 
 
 def test_chunk_size_not_a_multiple_of_block_size_suggests_one() -> None:
@@ -171,7 +184,7 @@ def test_token_and_token_env_still_exclude_each_other(monkeypatch: pytest.Monkey
 
 
 def test_the_operators_keys_are_accepted(tmp_path) -> None:
-    """What operator/children.py emits: target, chunk_size, codec, salt_policy, salt,
+    """What operator/kvtier/operator/children.py emits: target, chunk_size, codec, salt_policy, salt,
     auth_token_file."""
     path = tmp_path / "token"
     path.write_text("t0ken")

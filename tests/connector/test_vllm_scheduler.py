@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector.chunks.keys import KeySpec
+from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import TierUnavailable
-from kvtier.connector.keys import KeySpec
-from kvtier.connector.metadata import StepPlan
+from kvtier.connector.kv.plan import StepPlan
+from kvtier.connector.kv.scheduler import KvtierScheduler
 from kvtier.connector.metrics import Recorder
-from kvtier.connector.scheduler import KvtierScheduler
 from kvtier.connector.sender import SaveSender
 
 BLOCK, CHUNK = 128, 256
@@ -381,7 +381,7 @@ def test_token_ids_out_of_range_are_no_hit_not_a_crash() -> None:
 
 
 def test_each_tensor_parallel_rank_gets_its_own_keys() -> None:
-    from kvtier.connector.keys import chunk_keys
+    from kvtier.connector.chunks.keys import chunk_keys
 
     specs = [
         KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK, tp_rank=r, tp_world_size=2)
@@ -394,7 +394,7 @@ def test_each_tensor_parallel_rank_gets_its_own_keys() -> None:
     scheduler.update_state_after_alloc(req, blocks(list(range(8))), ext)
     plan = scheduler.build_connector_meta(step([(req, list(range(8)), 256, 744)]))
 
-    from kvtier.connector.keys import MMItem
+    from kvtier.connector.chunks.keys import MMItem
 
     items = [MMItem("img", 300, 64)]
     expected = [chunk_keys(req.prompt_token_ids, items, spec) for spec in specs]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.engine import EngineProcess
-from tests.tierproc import TierProcess
-from tests.tinymodels import build_text_model, build_vl_model
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import build_text_model, build_vl_model
 
 # Hit tests assert hits, not deadlines: generous ones, for a busy 2-core machine.
 RELAXED = {"lookup_timeout_s": 10.0, "load_timeout_s": 20.0, "save_timeout_s": 20.0}
@@ -80,3 +80,14 @@ def start_engine(module_dir: Path) -> Iterator[Callable[..., EngineProcess]]:
         engine.begin_close()
     for engine in engines:
         engine.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault tests' figures (tests/e2e/faultreport.py), as rows of docs/security.md's
+    fault table: fault, transport, requests answered, wrong outputs, worst stall."""
+    from tests.e2e.faultreport import ROWS
+
+    if ROWS:
+        terminalreporter.section("kvtier faults on real vLLM")
+        for row in ROWS:
+            terminalreporter.write_line(row.line())

@@ -1,6 +1,10 @@
 """A TCP proxy in front of the tier that can fail the tier at an exact moment.
 
-Engine -> proxy (fixed port) -> tier. ``cut_after(n)``: once ``n`` more bytes
+Engine -> proxy (fixed port) -> tier. With ``data_upstream`` it proxies the
+tier's data port too: a client reaches the data port on the gRPC target's host
+at the port the tier advertises, so the proxy listens on another loopback
+address (``host``, e.g. 127.0.0.2) at the tier's gRPC-side port of its choice
+and at the data port's own number; the faults below count and cut both. ``cut_after(n)``: once ``n`` more bytes
 have flowed from the tier to the engine, every connection is reset (the tier
 "dies mid-load"). ``stall_after(n)``: after ``n`` bytes, tier-to-engine traffic
 stops until ``release()`` (the tier "freezes mid-load"). ``close()`` stops
@@ -16,8 +20,19 @@ import threading
 
 
 class FaultProxy:
-    def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        port: int = 0,
+        *,
+        data_upstream: tuple[str, int] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if data_upstream is not None and data_upstream[0] == host:
+            raise ValueError("the data port is proxied at its own number: listen on another host")
         self.upstream = upstream
+        self.data_upstream = data_upstream
+        self.host = host
         self.port = port
         self._lock = threading.Lock()
         self._budget: int | None = None
@@ -25,29 +40,36 @@ class FaultProxy:
         self._released = threading.Event()
         self._released.set()
         self._conns: list[socket.socket] = []
-        self._server: socket.socket | None = None
+        self._server: socket.socket | None = None  # the gRPC-side listener (None: closed)
+        self._servers: list[socket.socket] = []
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def listen(self) -> FaultProxy:
+        self._server = self._listen(self.port, self.upstream)
+        self.port = self._server.getsockname()[1]
+        if self.data_upstream is not None:
+            self._listen(self.data_upstream[1], self.data_upstream)
+        return self
+
+    def _listen(self, port: int, upstream: tuple[str, int]) -> socket.socket:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
+        server.bind((self.host, port))
         server.listen(64)
-        self.port = server.getsockname()[1]
-        self._server = server
-        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
-        return self
+        self._servers.append(server)
+        threading.Thread(target=self._accept, args=(server, upstream), daemon=True).start()
+        return server
 
     def close(self) -> None:
         """Stop listening and reset every open connection."""
-        if self._server is not None:
+        servers, self._servers, self._server = self._servers, [], None
+        for server in servers:
             with contextlib.suppress(OSError):
-                self._server.shutdown(socket.SHUT_RDWR)
-            self._server.close()
-            self._server = None
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
         self.reset_all()
 
     def cut_after(self, nbytes: int) -> None:
@@ -77,14 +99,14 @@ class FaultProxy:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _accept(self, server: socket.socket) -> None:
+    def _accept(self, server: socket.socket, target: tuple[str, int]) -> None:
         while True:
             try:
                 client, _ = server.accept()
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.upstream, timeout=2)
+                upstream = socket.create_connection(target, timeout=2)
                 upstream.settimeout(None)
             except OSError:
                 _reset(client)

@@ -1,8 +1,12 @@
-"""A tier that is absent, dies mid-load or freezes: every request completes, by recomputing,
-with the same output as without a cache, and the engine never hangs.
+"""A tier that is absent or frozen, and a connection to it cut or stalled mid-load: every
+request completes, by recomputing, with the same output as without a cache, and the
+engine never hangs.
 
-Engine W writes straight to the tier. Engine F reaches it through a ``FaultProxy``
-(to fail the tier at an exact byte) with short deadlines (``FAST_FAULTS``).
+Engine W writes straight to the tier. Engine F reaches it through a ``FaultProxy`` (to
+cut or stall its connection at an exact byte) with short deadlines (``FAST_FAULTS``):
+its gRPC calls and its data-port transfers (the tier runs as deployed, data port on).
+The tier's process itself killed mid-load, mid-save or restarted mid-traffic, and its
+disk faults: tests/e2e/test_vllm_tier_faults.py.
 """
 
 from __future__ import annotations
@@ -15,23 +19,29 @@ from pathlib import Path
 import pytest
 
 from kvtier.connector.client import TierClient
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.e2e.conftest import FAST_FAULTS, RELAXED
-from tests.e2e.engine import EngineProcess
 from tests.e2e.faultproxy import FaultProxy
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
+from tests.e2e.faultreport import record
 
 pytestmark = pytest.mark.vllm
 
 CHUNK = 256
 PROMPT_WORDS = 330  # 3 full chunks
 CHUNK_BYTES = 131_162  # one chunk of the tiny model on the wire
+PROXIED = "data port and gRPC, through a fault proxy"
 PROBE_SEEDS = itertools.count(1000)
 
 
 @pytest.fixture(scope="module")
 def proxy(module_tier: TierProcess) -> Iterator[FaultProxy]:
-    proxy = FaultProxy(("127.0.0.1", module_tier.port)).listen()
+    proxy = FaultProxy(
+        ("127.0.0.1", module_tier.port),
+        data_upstream=("127.0.0.1", module_tier.data_port),
+        host="127.0.0.2",  # the tier listens on 127.0.0.1: its data port's number is free here
+    ).listen()
     yield proxy
     proxy.close()
 
@@ -107,15 +117,19 @@ def test_engine_serves_while_tier_absent(writer, faulty, proxy, healthy) -> None
     prompt, expected = computed_by_writer(writer, seed=10)
     proxy.close()  # nothing listens on the tier's address
     before = faulty.stats()
+    started = time.monotonic()
 
     outs = faulty.generate([prompt, prompt, prompt])
 
+    elapsed = time.monotonic() - started
     assert [o.token_ids for o in outs] == [expected] * 3
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     assert delta(faulty, before, "errors:lookup") >= 1
+    record("tier absent (nothing listens)", PROXIED, [o.token_ids for o in outs],
+           [expected] * 3, elapsed, None)  # fmt: skip
 
 
-def test_tier_killed_mid_load_recomputes(writer, faulty, proxy, module_tier, healthy) -> None:
+def test_connection_cut_mid_load_recomputes(writer, faulty, proxy, module_tier, healthy) -> None:
     prompt, expected = computed_by_writer(writer, seed=11)
     assert_stored(module_tier, writer, prompt)
     before = faulty.stats()
@@ -125,16 +139,16 @@ def test_tier_killed_mid_load_recomputes(writer, faulty, proxy, module_tier, hea
     (out,) = faulty.generate([prompt])
 
     assert proxy.tripped, f"engine F loaded too little to reach the cut: {faulty.stats()}"
-    module_tier.kill()
     assert out.token_ids == expected
     assert delta(faulty, before, "load_failed_blocks") == 6  # all 3 chunks of 2 blocks
     assert delta(faulty, before, "errors:load") == 1
-    assert time.monotonic() - started < 10
-    (again,) = faulty.generate([prompt])  # the tier is gone for good now
-    assert again.token_ids == expected
+    elapsed = time.monotonic() - started
+    assert elapsed < 10
+    record("connection cut in the middle of a load", PROXIED, [out.token_ids], [expected],
+           elapsed, 10)  # fmt: skip
 
 
-def test_tier_frozen_mid_load_recomputes_within_deadline(
+def test_connection_stalled_mid_load_recomputes_within_deadline(
     writer, faulty, proxy, module_tier, healthy
 ) -> None:
     prompt, expected = computed_by_writer(writer, seed=12)
@@ -150,6 +164,8 @@ def test_tier_frozen_mid_load_recomputes_within_deadline(
     assert out.token_ids == expected
     assert delta(faulty, before, "load_failed_blocks") == 6
     assert elapsed < FAST_FAULTS["load_timeout_s"] + 5
+    record("connection stalled in the middle of a load", PROXIED, [out.token_ids], [expected],
+           elapsed, FAST_FAULTS["load_timeout_s"] + 5)  # fmt: skip
 
 
 def test_frozen_tier_opens_breaker_then_probe_closes_it(
@@ -175,6 +191,8 @@ def test_frozen_tier_opens_breaker_then_probe_closes_it(
     assert delta(faulty, before, "breaker_opened") >= 1
     assert faulty.stats()["breaker_open"] >= 1  # the gauge behind the CircuitOpen alert
     assert elapsed < failed * FAST_FAULTS["lookup_timeout_s"] + 10
+    record("tier frozen (SIGSTOP), breaker opens", PROXIED, [o.token_ids for o in outs],
+           [expected] * 6, elapsed, failed * FAST_FAULTS["lookup_timeout_s"] + 10)  # fmt: skip
 
     deadline = time.monotonic() + 30
     while True:  # after the cool-down one probe goes through and the hits come back
@@ -212,7 +230,7 @@ def test_saves_beyond_the_queue_are_dropped_and_counted_while_the_tier_is_frozen
 def test_engine_started_while_no_tier_listens_serves_every_request_by_recomputing(
     text_model: Path, start_engine, writer, healthy
 ) -> None:
-    from tests.redisprocs import free_port
+    from kvtier.testing.redisprocs import free_port
 
     config = {"target": f"127.0.0.1:{free_port()}", **FAST_FAULTS}  # nothing listens there
     engine = start_engine(text_model, name="no-tier", extra_config=config)

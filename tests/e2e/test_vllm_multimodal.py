@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from kvtier.testing.engine import EngineError, EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.e2e.conftest import RELAXED
-from tests.e2e.engine import EngineError, EngineProcess
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 

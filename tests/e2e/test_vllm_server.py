@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from kvtier.testing.redisprocs import free_port
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.e2e.conftest import RELAXED
-from tests.redisprocs import free_port
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 
@@ -38,7 +38,7 @@ def server(vl_model: Path, module_tier: TierProcess, module_dir: Path) -> Iterat
         "kv_connector_extra_config": {"target": module_tier.target, **RELAXED},
     }
     args = [
-        sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(vl_model), "--served-model-name", "tiny-vl",
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",

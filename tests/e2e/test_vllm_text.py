@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvtier.connector.chunks.codec import decode_chunk, encode_chunk_bytes
 from kvtier.connector.client import TierClient
-from kvtier.connector.codec import decode_chunk, encode_chunk_bytes
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.e2e.conftest import RELAXED
-from tests.e2e.engine import EngineProcess
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 

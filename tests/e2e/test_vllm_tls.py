@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.redisprocs import TlsFiles
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.e2e.conftest import RELAXED
-from tests.e2e.engine import EngineProcess
-from tests.redisprocs import TlsFiles
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.engine import EngineProcess
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import build_qwen2_audio_model, prompt_text
 from tests.ec.conftest import RELAXED, chat
-from tests.tierproc import TierProcess
-from tests.tinymodels import build_qwen2_audio_model, prompt_text
 
 pytestmark = pytest.mark.vllm
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import EngineProcess
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.ec.conftest import FAST_FAULTS, IMAGE, RELAXED, chat, image
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 

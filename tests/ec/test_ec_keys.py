@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connector.codec import decode_chunk, encode_chunk_bytes
-from kvtier.connector.ec_keys import EncoderKeySpec, encoder_key, processor_fingerprint
+from kvtier.connector.chunks.codec import decode_chunk, encode_chunk_bytes
+from kvtier.connector.chunks.encoder_keys import EncoderKeySpec, encoder_key, processor_fingerprint
+from kvtier.connector.chunks.keys import KeySpec, chunk_keys
 from kvtier.connector.errors import ChunkDecodeError, ConfigError
-from kvtier.connector.keys import KeySpec, chunk_keys
 
 SPEC = EncoderKeySpec(model_id="org/model", model_revision="r1", processor="p")
 ITEM = "a" * 64

@@ -16,18 +16,24 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.connector import ec_metrics
-from kvtier.connector.breaker import CircuitBreaker
+from kvtier.connector import metrics
+from kvtier.connector.chunks.codec import encode_chunk_bytes
+from kvtier.connector.chunks.encoder_keys import EncoderKeySpec
 from kvtier.connector.client import TierClient
-from kvtier.connector.codec import encode_chunk_bytes
-from kvtier.connector.ec_config import parse_config
-from kvtier.connector.ec_keys import EncoderKeySpec
-from kvtier.connector.ec_scheduler import KvtierECScheduler
-from kvtier.connector.ec_worker import KvtierECWorker
+from kvtier.connector.client.breaker import CircuitBreaker
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.encoder.scheduler import KvtierECScheduler
+from kvtier.connector.encoder.worker import KvtierECWorker
 from kvtier.connector.errors import ConfigError
 from kvtier.connector.metrics import Recorder
-from tests.redisprocs import free_port
-from tests.tierproc import TierProcess
+from kvtier.testing.redisprocs import free_port
+from kvtier.testing.tierproc import TierProcess
+
+
+def parse_config(extra: dict[str, Any]) -> ConnectorConfig:
+    """As the encoder-cache connector reads its ``ec_connector_extra_config``."""
+    return ConnectorConfig.from_extra_config(extra, name="ec_connector_extra_config")
+
 
 SPEC = EncoderKeySpec(model_id="tiny-vl")
 EMBEDS, WIDTH = 4, 8
@@ -61,7 +67,7 @@ def scheduler(
     client: TierClient, *, held_bytes: int = 1 << 20, **config: Any
 ) -> tuple[KvtierECScheduler, Recorder]:
     cfg = parse_config({"target": client.target, "chunk_size": 256, **config})
-    recorder = ec_metrics.recorder()
+    recorder = Recorder(metrics.EC)
     breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
     sched = KvtierECScheduler(
         cfg, SPEC, client, breaker=breaker, recorder=recorder, load=True, save=True,
@@ -84,7 +90,7 @@ def store(
     assert key is not None
     worker = KvtierECWorker(
         parse_config({"target": client.target}), client, device="cpu",
-        breaker=CircuitBreaker(3, 1.0), recorder=ec_metrics.recorder(),
+        breaker=CircuitBreaker(3, 1.0), recorder=Recorder(metrics.EC),
     )  # fmt: skip
     identifier = req.mm_features[index].identifier
     plan = SimpleNamespace(saves={identifier: key}, loads=[])
@@ -108,7 +114,7 @@ def test_a_stored_output_is_promised_planned_and_placed_bit_for_bit(client: Tier
     cache: dict[str, torch.Tensor] = {}
     worker = KvtierECWorker(
         parse_config({"target": client.target}), client, device="cpu",
-        breaker=CircuitBreaker(3, 1.0), recorder=ec_metrics.recorder(),
+        breaker=CircuitBreaker(3, 1.0), recorder=Recorder(metrics.EC),
     )  # fmt: skip
     worker.load(plan, cache)
     worker.shutdown()
@@ -200,6 +206,29 @@ def test_one_request_asks_the_tier_once_per_item(client: TierClient) -> None:
     sched.ensure_cache_available(req, 0)
     sched.has_cache_item("x")
     assert recorder.total("lookups") == 3
+
+
+def test_an_item_whose_kv_load_failed_is_fetched_when_vllm_recomputes_it(
+    client: TierClient,
+) -> None:
+    # The KV connector's hit covers the item (computed tokens 512), so it is not noted;
+    # the load then fails and vLLM recomputes from token 256, item included. vLLM 0.32
+    # dropped the item's data when the hit covered it, so its encoder output must come
+    # from the tier (before, the item was noted once per request: "Encoder cache miss").
+    sched, recorder = scheduler(client)
+    req = request(feature("img-kv", offset=300))
+    tensor = output(7)
+    store(client, sched, req, 0, tensor)
+
+    sched.ensure_cache_available(req, 512)
+    assert recorder.total("lookups") == 0
+    sched.ensure_cache_available(req, 256)  # the next step, after the failed load
+
+    assert sched.has_cache_item("img-kv")  # fetched and verified: promised to vLLM
+    assert recorder.total("lookups") == 1
+    sched.ensure_cache_available(req, 256)  # noted once: asked once
+    sched.has_cache_item("img-kv")
+    assert recorder.total("lookups") == 1
 
 
 def test_items_vllm_holds_itself_are_never_fetched(client: TierClient, tier: TierProcess) -> None:
@@ -295,7 +324,7 @@ def test_the_ec_config_accepts_the_kv_connectors_keys_and_names_its_own_field() 
 def test_an_unsupported_output_dtype_is_dropped_and_counted(
     client: TierClient, tmp_path: Path
 ) -> None:
-    recorder = ec_metrics.recorder()
+    recorder = Recorder(metrics.EC)
     worker = KvtierECWorker(
         parse_config({"target": client.target}), client, device="cpu",
         breaker=CircuitBreaker(3, 1.0), recorder=recorder,

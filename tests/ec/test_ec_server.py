@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.engine import EngineProcess
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.redisprocs import free_port
+from kvtier.testing.tierproc import TierProcess
 from tests.ec.conftest import IMAGE, RELAXED, chat, image
-from tests.redisprocs import free_port
-from tests.tierproc import TierProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +39,7 @@ def server(vl_model: Path, module_tier: TierProcess, module_dir: Path) -> Iterat
         "ec_connector_extra_config": {"target": module_tier.target, **RELAXED},
     }
     args = [
-        sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(vl_model), "--served-model-name", "tiny-vl",
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
@@ -83,7 +83,7 @@ def _healthy(url: str) -> bool:
 
 
 def _png_data_url(seed: int) -> str:
-    """The picture ``tests.e2e.engine`` draws for ``image(seed)``, as a lossless PNG."""
+    """The picture ``kvtier.testing.engine`` draws for ``image(seed)``, as a lossless PNG."""
     import numpy as np
     from PIL import Image
 

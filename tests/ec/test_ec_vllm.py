@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import EngineError, EngineProcess
+from kvtier.testing.engine import EngineError, EngineProcess
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.ec.conftest import IMAGE, RELAXED, chat, image
-from tests.tierproc import TierProcess
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kube import ControlPlane, kube_env
+from kvtier.testing.kube import ControlPlane, kube_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvtier"

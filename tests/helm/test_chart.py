@@ -103,27 +103,27 @@ def test_no_rbac_rule_uses_a_wildcard(helm: Helm, scenario: Path) -> None:
 
 def test_the_chart_ships_the_operators_crds_byte_for_byte() -> None:
     shipped = sorted(path.name for path in (CHART / "crds").glob("*.yaml"))
-    source = sorted(path.name for path in (ROOT / "operator" / "crds").glob("*.yaml"))
+    source = sorted(path.name for path in (ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml"))
     assert shipped == source
     for name in source:
-        assert (CHART / "crds" / name).read_bytes() == (ROOT / "operator" / "crds" / name).read_bytes(), (
-            f"helm/kvtier/crds/{name} differs from operator/crds/{name}: "
-            "cp operator/crds/*.yaml helm/kvtier/crds/"
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "operator" / "kvtier" / "operator" / "crds" / name).read_bytes(), (
+            f"helm/kvtier/crds/{name} differs from operator/kvtier/operator/crds/{name}: "
+            "cp operator/kvtier/operator/crds/*.yaml helm/kvtier/crds/"
         )
 
 
 def test_the_chart_renders_the_operators_crds(helm: Helm) -> None:
     rendered = of_kind(helm.template(), "CustomResourceDefinition")
-    source = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "operator" / "crds").glob("*.yaml"))]
+    source = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml"))]
     assert sorted(rendered, key=lambda c: c["metadata"]["name"]) == source
 
 
 def test_the_cluster_role_has_exactly_the_rules_of_operator_rbac_yaml(helm: Helm) -> None:
     assert (CHART / "files" / "operator" / "rbac.yaml").read_bytes() == (
-        ROOT / "operator" / "rbac.yaml"
-    ).read_bytes(), "cp operator/rbac.yaml helm/kvtier/files/operator/rbac.yaml"
+        ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml"
+    ).read_bytes(), "cp operator/kvtier/operator/rbac.yaml helm/kvtier/files/operator/rbac.yaml"
     role = named(helm.template(), "ClusterRole", "kvtier-operator")
-    assert role["rules"] == yaml.safe_load((ROOT / "operator" / "rbac.yaml").read_text())["rules"]
+    assert role["rules"] == yaml.safe_load((ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text())["rules"]
 
 
 def test_the_cluster_role_is_bound_to_the_operators_service_account(helm: Helm) -> None:
@@ -140,12 +140,13 @@ def test_the_operator_runs_kvtier_operator_with_its_liveness_probe(helm: Helm) -
     deployment = named(helm.template(), "Deployment", "kvtier-operator")
     assert deployment["spec"]["replicas"] == 1
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == "ghcr.io/kvtier/kvtier:0.1.0"
-    assert container["command"] == ["kvtier", "operator"]
+    assert container["image"] == "ghcr.io/kvtier/kvtier-operator:0.1.0"
+    assert container["command"] == ["kvtier-operator"]
     assert container["args"] == [
         "--all-namespaces",
-        "--tier-image=ghcr.io/kvtier/kvtier:0.1.0",
+        "--tier-image=ghcr.io/kvtier/kvtier-server:0.1.0",
         "--resync-seconds=30",
+        "--traffic-seconds=30",
         "--liveness=http://0.0.0.0:8080/healthz",
     ]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -163,10 +164,19 @@ def test_the_operators_flags_are_ones_kvtier_operator_accepts(helm: Helm) -> Non
 
 def test_image_repository_and_tag_are_values(helm: Helm, tmp_path: Path) -> None:
     values = tmp_path / "values.yaml"
-    values.write_text("image: {repository: registry.example/kvtier, tag: dev-1}\n")
-    for where, spec in pod_specs(helm.template(values)):
-        for container in spec["containers"]:
-            assert container["image"] == "registry.example/kvtier:dev-1", where
+    values.write_text(
+        "image: {repository: registry.example/op, tag: dev-1}\n"
+        "tierImage: {repository: registry.example/tier, tag: dev-2}\n"
+    )
+    objects = helm.template(values)
+    images = {where: [c["image"] for c in spec["containers"]] for where, spec in pod_specs(objects)}
+    assert images == {
+        "Deployment kvtier-operator": ["registry.example/op:dev-1"],
+        "Pod kvtier-test-tier-health": ["registry.example/tier:dev-2"],
+        "Pod kvtier-delete-default-tier": ["registry.example/op:dev-1"],  # the pre-delete hook
+    }
+    operator = named(objects, "Deployment", "kvtier-operator")["spec"]["template"]["spec"]
+    assert "--tier-image=registry.example/tier:dev-2" in operator["containers"][0]["args"]
 
 
 def test_the_default_tier_is_a_cachetier_resource_with_ram_and_disk(helm: Helm) -> None:
@@ -332,8 +342,11 @@ def test_the_tier_accepts_grpc_and_data_only_from_engines_and_the_helm_test_and_
     components = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc["from"]]
     assert components == ["engine", "helm-test"]
     assert metrics["ports"] == [{"port": 9400, "protocol": "TCP"}]
-    (prometheus,) = metrics["from"]
+    prometheus, operator = metrics["from"]
     assert prometheus["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    # The operator reads the tier's metrics into the CacheTier's status.traffic.
+    operator_pods = named(helm.template(), "Deployment", "kvtier-operator")["spec"]["selector"]
+    assert operator == {"podSelector": operator_pods}
 
 
 def test_the_network_policy_opens_exactly_the_ports_the_operator_gives_a_tier(helm: Helm) -> None:
@@ -358,9 +371,10 @@ def test_in_chart_redis_accepts_only_tier_pods(helm: Helm) -> None:
     }}}]  # fmt: skip
 
 
-def test_the_kvtier_image_runs_as_the_user_the_chart_pods_run_as(helm: Helm) -> None:
-    dockerfile = (ROOT / "docker" / "Dockerfile.kvtier").read_text()
-    (user,) = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.server", "Dockerfile.operator"])
+def test_the_kvtier_images_run_as_the_user_the_chart_pods_run_as(helm: Helm, dockerfile: str) -> None:
+    text = (ROOT / "docker" / dockerfile).read_text()
+    (user,) = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     deployment = named(helm.template(), "Deployment", "kvtier-operator")
     security = deployment["spec"]["template"]["spec"]["securityContext"]
     assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
@@ -421,9 +435,9 @@ def test_the_engine_image_installs_what_every_codec_a_recipe_may_choose_needs() 
     from kvtier.operator.spec import CODECS
 
     dockerfile = (ROOT / "docker" / "Dockerfile.vllm").read_text()
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert '"/src[connector]"' in dockerfile  # the connector's extra, not only the base package
-    assert "zstd" in CODECS and any(dep.startswith("zstandard") for dep in extras["connector"])
+    deps = tomllib.loads((ROOT / "connector" / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "pip install --no-cache-dir /tmp/kvtier/proto /tmp/kvtier/connector" in dockerfile
+    assert "zstd" in CODECS and any(dep.startswith("zstandard") for dep in deps)
 
 
 def test_forcing_the_data_port_on_several_replicas_without_redis_fails_saying_why(
@@ -439,3 +453,54 @@ def test_forcing_the_data_port_on_several_replicas_without_redis_fails_saying_wh
     values.write_text("defaultTier: {replicas: 2, dataPort: true}\nredis: {mode: inChart}\n")
     (tier,) = of_kind(helm.template(values), "CacheTier")
     assert tier["spec"]["dataPort"] == {"enabled": True}
+
+
+def test_the_tenant_quota_value_sets_the_tiers_quota_and_is_unset_by_default(
+    helm: Helm, tmp_path: Path
+) -> None:
+    from kvtier.operator.children import cache_tier_children
+    from kvtier.operator.spec import parse_cache_tier
+
+    (tier,) = of_kind(helm.template(), "CacheTier")
+    assert "tenantQuotaBytes" not in tier["spec"]  # no quota
+    values = tmp_path / "values.yaml"
+    values.write_text("defaultTier: {tenantQuotaBytes: 4Gi, authSecret: {name: tenants}}\n")
+    (tier,) = of_kind(helm.template(values), "CacheTier")
+    assert tier["spec"]["tenantQuotaBytes"] == "4Gi"
+    crdschema.validate(tier)
+    # What the operator makes of it: the server's quota setting, in bytes.
+    body = crdschema.with_defaults(tier)
+    body["metadata"] |= {"uid": "u", "generation": 1}
+    (config,) = [c for c in cache_tier_children(parse_cache_tier(body), "img", ClusterFeatures())
+                 if c["kind"] == "ConfigMap"]  # fmt: skip
+    assert config["data"]["KVTIER_TENANT_QUOTA_BYTES"] == str(4 << 30)
+    values.write_text("defaultTier: {tenantQuotaBytes: lots}\n")
+    result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
+    assert result.returncode != 0
+    assert "tenantQuotaBytes" in result.stdout + result.stderr  # the schema names the value
+
+
+def test_a_per_node_default_tier_needs_redis_and_renders_a_per_node_cachetier(
+    helm: Helm, tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text("defaultTier: {topology: perNode}\n")
+    result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
+    assert result.returncode != 0
+    assert "defaultTier.topology: perNode needs Redis" in result.stdout + result.stderr
+    values.write_text(
+        "redis: {mode: inChart}\n"
+        "defaultTier:\n  topology: perNode\n  nodeSelector: {pool: gpu}\n"
+        "  tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n"
+        "  disk: {storageClassName: local-nvme}\n"
+    )
+    (tier,) = of_kind(helm.template(values), "CacheTier")
+    crdschema.validate(tier)
+    assert tier["spec"]["topology"] == "perNode"
+    assert tier["spec"]["nodeSelector"] == {"pool": "gpu"}
+    assert "storageClassName" not in tier["spec"]["disk"]  # an emptyDir on the node
+    from kvtier.operator.spec import parse_cache_tier
+
+    body = crdschema.with_defaults(tier)
+    body["metadata"] |= {"uid": "u", "generation": 1}
+    assert parse_cache_tier(body).spec.per_node  # what the operator accepts

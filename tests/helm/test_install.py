@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from kvtier.testing.kube import ControlPlane
 from tests.helm.conftest import CHART, Helm
-from tests.kube import ControlPlane
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def installed(helm: Helm, bare_control_plane: ControlPlane) -> Iterator[tuple[Cl
         kubeconfig=bare_control_plane.admin_kubeconfig,
     )  # fmt: skip
     yield cluster, result.stdout
-    helm.run("uninstall", "kvtier", "--namespace", NAMESPACE, "--ignore-not-found",
+    helm.run("uninstall", "kvtier", "--namespace", NAMESPACE, "--ignore-not-found", "--no-hooks",
              kubeconfig=bare_control_plane.admin_kubeconfig)  # fmt: skip
 
 
@@ -121,7 +121,10 @@ def test_uninstall_removes_the_release_objects_and_keeps_the_crds(
     helm: Helm, installed: tuple[Cluster, str]
 ) -> None:
     cluster, _ = installed
-    helm.run("uninstall", "kvtier", "--namespace", NAMESPACE, kubeconfig=cluster.plane.admin_kubeconfig)
+    # --no-hooks: no kubelet runs the pre-delete hook's pod on this control plane (it would
+    # stay Pending); tests/cluster/test_user_story.py uninstalls with it on a real node.
+    helm.run("uninstall", "kvtier", "--namespace", NAMESPACE, "--no-hooks",
+             kubeconfig=cluster.plane.admin_kubeconfig)  # fmt: skip
     deadline = time.monotonic() + 30
     while left := [(kind, name) for kind, namespaced, name in RELEASE_OBJECTS
                    if cluster.get(kind, namespaced, name) is not None]:  # fmt: skip

@@ -21,9 +21,9 @@ import pytest
 import redis
 import yaml
 
+from kvtier.testing.redisprocs import TlsFiles, free_port
+from kvtier.testing.tierproc import TierProcess
 from tests.helm.conftest import CHART, Helm
-from tests.redisprocs import TlsFiles, free_port
-from tests.tierproc import TierProcess
 
 
 def only_container(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -62,7 +62,9 @@ def test_the_helm_test_checks_a_mutual_tls_tier_with_the_secrets_it_mounts(
     values.write_text(
         "defaultTier: {tls: {secretName: tier-tls, clientAuth: true, testClientSecretName: test-tls}}\n"
     )
-    pod = next(o for o in helm.template(values) if o["kind"] == "Pod")["spec"]
+    pod = next(
+        o for o in helm.template(values) if o["kind"] == "Pod" and o["metadata"]["name"] == "kvtier-test-tier-health"
+    )["spec"]
     (container,) = pod["containers"]
     # What the kubelet mounts: only ca.crt of the tier's Secret, the test Secret's pair.
     secrets = {

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.observability.queries import ROOT
-from tests.tierproc import TierProcess
+from kvtier.testing.queries import ROOT
+from kvtier.testing.tierproc import TierProcess
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ def promtool(obs_tools: ObsTools) -> str:
 
 @pytest.fixture(scope="module")
 def module_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierProcess]:
-    tier = TierProcess.start(tmp_path_factory.mktemp("tier"))
+    # With the same-node socket: its series are in the scrape too (and must be documented).
+    tier = TierProcess.start(tmp_path_factory.mktemp("tier"), local_socket=True)
     yield tier
     tier.stop()

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.observability.conftest import ObsTools
-from tests.observability.queries import (
+from kvtier.testing.queries import (
     DASHBOARDS,
     ROOT,
     concrete,
@@ -21,6 +20,7 @@ from tests.observability.queries import (
     exprs,
     panels,
 )
+from tests.observability.conftest import ObsTools
 
 
 def test_every_dashboard_type_checks_against_grafana_schema(obs_tools: ObsTools, tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ def test_the_recipe_dashboard_filters_every_connector_query_by_model() -> None:
 
 def test_every_panel_and_alert_is_documented() -> None:
     doc = (ROOT / "docs" / "observability.md").read_text()
-    from tests.observability.queries import rules
+    from kvtier.testing.queries import rules
 
     missing = [p["title"] for _, p in panels() if f"**{p['title']}**" not in doc]
     missing += [r["alert"] for r in rules() if f"`{r['alert']}`" not in doc]

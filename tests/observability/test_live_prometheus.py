@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.connector.client import TierClient
+from kvtier.testing.queries import concrete, dashboards
+from kvtier.testing.servers import Prometheus
+from kvtier.testing.tierproc import TierProcess
 from tests.observability.conftest import ObsTools
-from tests.observability.procs import Prometheus
-from tests.observability.queries import concrete, dashboards
-from tests.tierproc import TierProcess
 
 PRESENT, ABSENT = 6, 4  # every call asks for 6 stored keys, then 4 never stored
 CALLS_PER_THREAD, THREADS = 40, 4

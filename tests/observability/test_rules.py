@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.observability.queries import RULE_FILES, rules
+from kvtier.testing.queries import RULE_FILES, rules
 
 RULES_TEST = Path(__file__).with_name("rules_test.yaml")
 

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.observability.procs import VllmServer
-from tests.observability.queries import (
+from kvtier.testing.queries import (
     ROOT,
     SYNTHETIC,
     TARGET_LABELS,
@@ -24,8 +23,9 @@ from tests.observability.queries import (
     grouped_labels,
     selectors,
 )
-from tests.tierproc import TierProcess
-from tests.tinymodels import build_vl_model, prompt_text
+from kvtier.testing.servers import VllmServer
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import build_vl_model, prompt_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -15,9 +15,11 @@ POD = kind_of("v1", "Pod")
 EVENT = kind_of("v1", "Event")
 DEPLOYMENT = kind_of("apps/v1", "Deployment")
 STATEFULSET = kind_of("apps/v1", "StatefulSet")
+DAEMONSET = kind_of("apps/v1", "DaemonSet")
 SERVICE = kind_of("v1", "Service")
 CONFIGMAP = kind_of("v1", "ConfigMap")
 SECRET = kind_of("v1", "Secret")
+CLAIM = kind_of("v1", "PersistentVolumeClaim")
 CACHE_TIER = kind_of("kvtier.io/v1alpha1", "CacheTier")
 MODEL_RECIPE = kind_of("kvtier.io/v1alpha1", "ModelRecipe")
 
@@ -72,15 +74,27 @@ async def wait_for_condition(
     return await eventually(probe, what=f"{kind} {name} {type_}={status} ({reason})")
 
 
-async def mark_pods_ready(kube: KubeClient, namespace: str, selector: str) -> int:
-    """Set every selected pod Running and Ready, as a kubelet would; how many there were."""
-    pods = await eventually(
-        lambda: kube.list(POD, namespace, selector), what=f"pods with {selector}"
-    )
+async def mark_pods_ready(
+    kube: KubeClient, namespace: str, selector: str, ips: list[str] | None = None, count: int = 1
+) -> int:
+    """Set every selected pod Running and Ready, as a kubelet would, once there are at least
+    ``count``; how many there were. ``ips``: the pods' IPs, in the order of their names
+    (local addresses where a test serves what the pod would)."""
+
+    async def listed() -> list[dict[str, Any]] | None:
+        pods = await kube.list(POD, namespace, selector)
+        return pods if len(pods) >= count else None
+
+    pods = await eventually(listed, what=f"{count} pods with {selector}")
+    pods.sort(key=lambda pod: pod["metadata"]["name"])
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    for pod in pods:
+    for i, pod in enumerate(pods):
         containers = [c["name"] for c in pod["spec"]["containers"]]
+        addresses: dict[str, Any] = {}
+        if ips is not None:
+            addresses = {"podIP": ips[i], "podIPs": [{"ip": ips[i]}]}
         await kube.patch(POD, namespace, pod["metadata"]["name"], {"status": {
+            **addresses,
             "phase": "Running",
             "startTime": now,
             "conditions": [

@@ -2,7 +2,7 @@
 
 ``control_plane`` (session): etcd + kube-apiserver 1.20.2 + kube-controller-manager on
 127.0.0.1, started by ``scripts/kube-env`` (which builds and caches the binaries
-once), with the CRDs and the operator's ClusterRole (``operator/rbac.yaml``)
+once), with the CRDs and the operator's ClusterRole (``operator/kvtier/operator/rbac.yaml``)
 installed, bound to the user the operator runs as.
 
 ``operator`` (session): ``python -m kvtier.operator`` as that user, with a 1 s resync.
@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from kvtier.operator.kube import KubeClient, kind_of
-from tests.kube import ControlPlane, client_for, kube_env
+from kvtier.testing.kube import ControlPlane, client_for, kube_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = kind_of("apiextensions.k8s.io/v1", "CustomResourceDefinition")
@@ -46,9 +46,9 @@ class OperatorProcess:
 async def _install(plane: ControlPlane) -> None:
     client = client_for(plane.admin_kubeconfig)
     try:
-        for path in sorted((ROOT / "operator" / "crds").glob("*.yaml")):
+        for path in sorted((ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml")):
             await client.apply(yaml.safe_load(path.read_text()))
-        await client.apply(yaml.safe_load((ROOT / "operator" / "rbac.yaml").read_text()))
+        await client.apply(yaml.safe_load((ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text()))
         await client.apply({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",
@@ -94,7 +94,8 @@ def operator(control_plane: ControlPlane) -> Iterator[OperatorProcess]:
         # From a directory without operator/: the checkout's root would shadow the stdlib module.
         process = subprocess.Popen(
             [sys.executable, "-m", "kvtier.operator", "--all-namespaces",
-             "--resync-seconds", "1", "--liveness", liveness, "--tier-image", "kvtier:test"],
+             "--resync-seconds", "1", "--traffic-seconds", "1", "--liveness", liveness,
+             "--tier-image", "kvtier:test"],
             cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     running = OperatorProcess(process, log)

@@ -11,7 +11,7 @@ import jsonschema
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_DIR = ROOT / "operator" / "crds"
+CRD_DIR = ROOT / "operator" / "kvtier" / "operator" / "crds"
 CRD_FILES = {"CacheTier": "kvtier.io_cachetiers.yaml", "ModelRecipe": "kvtier.io_modelrecipes.yaml"}
 
 

@@ -21,10 +21,22 @@ from tests.operator.bodies import cache_tier, model_recipe
 
 # The oldest and newest Kubernetes schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
-DEFAULT_IMAGE = "ghcr.io/kvtier/kvtier:test"
+DEFAULT_IMAGE = "ghcr.io/kvtier/kvtier-server:test"
 AUTH = "tier-auth"  # the tier's auth Secret: one key per tenant
 TLS = {"tls": {"secretName": "tier-tls", "clientAuth": True}}  # a mutual-TLS tier
 GRPC_PROBES = ClusterFeatures(grpc_probes=True)
+
+GEMMA = {
+    "repo": "google/gemma-3-4b-it", "architecture": "Gemma3ForConditionalGeneration",
+    "modalities": ["text", "image"],
+}  # fmt: skip
+
+PER_NODE = {
+    "topology": "perNode",
+    "redis": {"url": "redis://redis:6379/0", "cluster": True, "passwordSecretRef": {"name": "redis"}},
+    "disk": {"size": "50Gi"}, "nodeSelector": {"nvidia.com/gpu.present": "true"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+}  # fmt: skip
 
 TIERS = {
     "defaults": {},
@@ -33,7 +45,7 @@ TIERS = {
         "disk": {"size": "100Gi", "storageClassName": "local-nvme"},
         "redis": {"url": "rediss://redis:6380/0", "cluster": True,
                   "passwordSecretRef": {"name": "redis", "key": "pw"}},
-        "authSecretRef": {"name": "tier-auth"},
+        "authSecretRef": {"name": "tier-auth"}, "tenantQuotaBytes": "1Gi",
         "metrics": {"enabled": False},
         "resources": {"requests": {"cpu": "2", "memory": "9Gi"}, "limits": {"memory": "10Gi"}},
     },
@@ -41,6 +53,7 @@ TIERS = {
     "tls": {"tls": {"secretName": "tier-tls"}},
     "mutual tls, two replicas": {"replicas": 2, **TLS},
     "no data port": {"dataPort": {"enabled": False}},
+    "per node": PER_NODE,
 }  # fmt: skip
 
 RECIPES = {
@@ -56,6 +69,10 @@ RECIPES = {
     "salt required": {"cache": {"saltPolicy": "required", "codec": "raw", "encoderCache": True}},
     "no salts": {"cache": {"saltPolicy": "none"}},
     "client certificate": {"cache": {"clientCertSecretRef": {"name": "engine-tls"}}},
+    "model on a volume": {"model": {**GEMMA, "volume": {"claimName": "weights", "path": "gemma-3-4b-it"}}},
+    "gated model, cache made": {"model": {**GEMMA, "tokenSecretRef": {"name": "hf", "key": "hf-token"},
+                                          "cache": {"size": "100Gi", "storageClassName": "nfs"}}},
+    "model cache claim": {"model": {**GEMMA, "cache": {"claimName": "hf-cache"}}},
 }  # fmt: skip
 
 
@@ -88,6 +105,9 @@ def builtin_children() -> list[tuple[str, dict[str, Any]]]:
             for child in recipe_children(AUTH, TLS if tls else None, **spec):
                 if child["kind"] != "CacheTier":
                     out.append((f"recipe {variant} tls={tls}: {child['kind']}", child))
+        for child in recipe_children(AUTH, PER_NODE, **spec):
+            if child["kind"] != "CacheTier":
+                out.append((f"recipe {variant} per node: {child['kind']}", child))
     return out
 
 
@@ -139,6 +159,7 @@ def test_tier_settings_are_the_server_flags_as_env_vars() -> None:
         "KVTIER_DISK_BYTES": str(int(100 * 2**30 * 0.9)),
         "KVTIER_REDIS_URL": "rediss+cluster://redis:6380/0",
         "KVTIER_AUTH_TOKENS": "/etc/kvtier/tenants",
+        "KVTIER_TENANT_QUOTA_BYTES": str(2**30),
     }
 
 
@@ -172,7 +193,7 @@ def test_the_tier_server_reads_its_settings_and_the_redis_password_from_kubernet
 ):
     statefulset = by_kind(tier_children(**TIERS["everything"]), "StatefulSet")
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
-    assert container["command"] == ["kvtier", "server"]
+    assert container["command"] == ["kvtier-server"]
     assert container["envFrom"] == [{"configMapRef": {"name": "shared-settings"}}]
     assert container["env"] == [{
         "name": "KVTIER_REDIS_PASSWORD",
@@ -366,10 +387,13 @@ def test_a_new_kv_transfer_config_changes_the_engine_template_so_engines_roll() 
     assert template_hash(cache={"chunkSize": 256}) != template_hash(cache={"chunkSize": 512})
 
 
-def pod_templates() -> list[tuple[str, dict[str, Any]]]:
+def pod_templates(*, per_node: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """Pod templates of the built-in children: those of per-node tiers and their engines
+    (which mount a hostPath), or all others."""
     out = []
     for variant, child in builtin_children():
-        if child["kind"] in ("StatefulSet", "Deployment"):
+        workload = child["kind"] in ("StatefulSet", "Deployment", "DaemonSet")
+        if workload and ("per node" in variant) == per_node:
             out.append((variant, child["spec"]["template"]["spec"]))
     return out
 
@@ -516,3 +540,172 @@ def test_the_certificates_an_engine_mounts_are_the_tiers_ca_and_its_own_pair() -
     ]  # fmt: skip
     assert engine_certificates(recipe, parse_tier_spec({}, "spec")).secrets() == []
     assert tier_certificates(tier).secrets() == [("tier-tls", ("tls.crt", "tls.key", "ca.crt"))]
+
+
+def engine_container(children: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = by_kind(children, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_a_model_on_a_volume_is_loaded_read_only_and_served_under_the_recipes_model_name() -> None:
+    children = recipe_children(**RECIPES["model on a volume"])
+    container = engine_container(children)
+    assert container["args"][:8] == [
+        "--model", "/models/gemma-3-4b-it", "--served-model-name", "google/gemma-3-4b-it",
+        "--revision", "main", "--port", "8000",
+    ]  # fmt: skip
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert "PersistentVolumeClaim" not in [c["kind"] for c in children]  # the user's claim
+
+
+def test_a_model_on_a_volume_keys_its_entries_by_the_models_name_not_the_path() -> None:
+    config = by_kind(recipe_children(**RECIPES["model on a volume"]), "ConfigMap")["data"]
+    extra = json.loads(config["kv-transfer-config.json"])["kv_connector_extra_config"]
+    assert extra["model_id"] == "google/gemma-3-4b-it"
+    hub = by_kind(recipe_children(), "ConfigMap")["data"]
+    assert "model_id" not in json.loads(hub["kv-transfer-config.json"])["kv_connector_extra_config"]
+
+
+def test_a_hub_model_keeps_its_repo_as_model_and_gets_no_offline_mode_or_volumes() -> None:
+    container = engine_container(recipe_children())
+    assert container["args"][:2] == ["--model", "Qwen/Qwen2.5-VL-7B-Instruct"]
+    assert "--served-model-name" not in container["args"]
+    assert not {"HF_HUB_OFFLINE", "HF_TOKEN", "HF_HOME"} & {e["name"] for e in container["env"]}
+
+
+def test_a_gated_model_gets_the_hub_token_from_its_secret_key_as_hf_token() -> None:
+    container = engine_container(recipe_children(**RECIPES["gated model, cache made"]))
+    assert {
+        "name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "hf-token"}},
+    } in container["env"]  # fmt: skip
+
+
+def test_a_model_cache_of_a_size_is_a_claim_the_recipe_owns_mounted_as_hf_home() -> None:
+    children = recipe_children(**RECIPES["gated model, cache made"])
+    claim = by_kind(children, "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == "qwen-model-cache"
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "qwen"
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}},
+        "storageClassName": "nfs",
+    }  # fmt: skip
+    container = engine_container(children)
+    assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in container["env"]
+    assert {"name": "model-cache", "mountPath": "/var/cache/huggingface"} in container["volumeMounts"]
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "qwen-model-cache"}} in pod[
+        "volumes"
+    ]
+
+
+def test_an_existing_model_cache_claim_is_mounted_and_not_made() -> None:
+    children = recipe_children(**RECIPES["model cache claim"])
+    assert "PersistentVolumeClaim" not in [c["kind"] for c in children]
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod[
+        "volumes"
+    ]
+
+
+def test_a_tier_without_a_tenant_quota_sets_none_and_zero_is_none() -> None:
+    for spec in ({}, {"tenantQuotaBytes": 0}, {"tenantQuotaBytes": "0"}):
+        settings = by_kind(tier_children(**spec), "ConfigMap")["data"]
+        assert "KVTIER_TENANT_QUOTA_BYTES" not in settings
+
+
+def test_a_per_node_tier_is_a_daemonset_on_the_engine_nodes_with_its_socket_on_the_node() -> None:
+    children = tier_children(**PER_NODE)
+    assert [c["kind"] for c in children] == ["ConfigMap", "DaemonSet", "Service", "Service"]
+    daemonset = by_kind(children, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == PER_NODE["tolerations"]
+    assert {"name": "kvtier-socket", "hostPath": {
+        "path": "/var/run/kvtier/ml/shared", "type": "DirectoryOrCreate"}} in pod["volumes"]
+    (container,) = pod["containers"]
+    assert {"name": "kvtier-socket", "mountPath": "/run/kvtier"} in container["volumeMounts"]
+    settings = by_kind(children, "ConfigMap")["data"]
+    assert settings["KVTIER_LOCAL_SOCKET"] == "/run/kvtier/tier.sock"
+    assert settings["KVTIER_REDIS_URL"] == "redis+cluster://redis:6379/0"
+    # The TCP fallback: the tier's Service selects every node's tier pod.
+    service = by_kind(children, "Service", "shared")
+    assert service["spec"]["selector"] == daemonset["spec"]["selector"]["matchLabels"]
+
+
+def test_a_per_node_tier_keeps_its_disk_in_an_empty_dir_of_the_disk_size() -> None:
+    children = tier_children(**PER_NODE)
+    pod = by_kind(children, "DaemonSet")["spec"]["template"]["spec"]
+    assert {"name": "data", "emptyDir": {"sizeLimit": "50Gi"}} in pod["volumes"]
+    assert {"name": "data", "mountPath": "/var/lib/kvtier"} in pod["containers"][0]["volumeMounts"]
+    assert by_kind(children, "ConfigMap")["data"]["KVTIER_DISK_BYTES"] == str(int(50 * 2**30 * 0.9))
+    ram_only = tier_children(**{**PER_NODE, "disk": {"enabled": False}})
+    pod = by_kind(ram_only, "DaemonSet")["spec"]["template"]["spec"]
+    assert "data" not in [v["name"] for v in pod["volumes"]]
+
+
+def test_the_socket_directory_is_handed_to_the_tier_user_by_an_init_container_that_can_only_chown(
+) -> None:  # fmt: skip
+    pod = by_kind(tier_children(**PER_NODE), "DaemonSet")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == DEFAULT_IMAGE  # the tier's image: it has Python
+    assert init["command"][:2] == ["python3", "-c"]
+    assert "os.chown(d, 65532, 65532)" in init["command"][2] and "0o750" in init["command"][2]
+    assert init["securityContext"] == {
+        "runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
+    assert init["volumeMounts"] == [{"name": "kvtier-socket", "mountPath": "/run/kvtier"}]
+
+
+def test_two_tiers_never_share_a_socket_directory() -> None:
+    from kvtier.operator.topology import host_socket_dir
+
+    assert host_socket_dir("a-b", "c") != host_socket_dir("a", "b-c")
+
+
+def test_engines_of_a_per_node_tier_mount_its_node_directory_and_try_the_socket_first() -> None:
+    children = recipe_children(None, PER_NODE)
+    extra = json.loads(by_kind(children, "ConfigMap")["data"]["kv-transfer-config.json"])[
+        "kv_connector_extra_config"
+    ]
+    assert extra["local_socket"] == "/run/kvtier/tier.sock"
+    assert extra["target"] == "shared.ml.svc:50051"  # where no tier pod runs on the node
+    pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "kvtier-socket", "hostPath": {
+        "path": "/var/run/kvtier/ml/shared", "type": "DirectoryOrCreate"}} in pod["volumes"]
+    assert {"name": "kvtier-socket", "mountPath": "/run/kvtier"} in pod["containers"][0][
+        "volumeMounts"
+    ]
+    assert pod["securityContext"]["supplementalGroups"] == [65532]  # the socket's group
+    shared = recipe_children()
+    assert "local_socket" not in json.loads(
+        by_kind(shared, "ConfigMap")["data"]["kv-transfer-config.json"]
+    )["kv_connector_extra_config"]
+
+
+@pytest.mark.parametrize(
+    ("variant", "pod"), pod_templates(per_node=True), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_per_node_pods_run_non_root_unprivileged_off_the_hosts_namespaces_with_one_host_path(
+    variant: str, pod: dict[str, Any]
+) -> None:
+    for key in ("hostNetwork", "hostIPC", "hostPID"):
+        assert key not in pod
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    host_paths = [v["hostPath"] for v in pod["volumes"] if "hostPath" in v]
+    assert len(host_paths) == 1 and host_paths[0]["path"].startswith("/var/run/kvtier/")
+    for container in pod["containers"]:  # as restricted as any other pod's
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and "privileged" not in context
+        assert context["capabilities"] == {"drop": ["ALL"]} and "runAsUser" not in context
+    for init in pod.get("initContainers", []):  # only the directory's owner changes as root
+        context = init["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and "privileged" not in context
+        assert context["capabilities"]["add"] == ["CHOWN", "FOWNER"]

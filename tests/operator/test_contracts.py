@@ -38,11 +38,15 @@ from kvtier.operator.children import (
     EC_TRANSFER_KEY,
     KV_TRANSFER_KEY,
     METRICS_PORT,
+    TENANT_QUOTA_SETTINGS,
     TENANTS_DIR,
     TIER_PORT,
     TLS_DIR,
 )
+from kvtier.operator.quantity import parse_bytes
 from kvtier.operator.spec import parse_tier_spec
+from kvtier.testing.redisprocs import TlsFiles, free_port
+from kvtier.testing.tierproc import health_status
 from tests.operator.test_children import (
     AUTH,
     RECIPES,
@@ -52,8 +56,6 @@ from tests.operator.test_children import (
     recipe_children,
     tier_children,
 )
-from tests.redisprocs import TlsFiles, free_port
-from tests.tierproc import health_status
 
 TOKENS = {"team-a": "a" * 32, "team-b": "b" * 32}  # the tier's auth Secret
 REDIS_PASSWORD = "redis-password-from-the-secret"
@@ -95,7 +97,10 @@ def tier_env(
 ) -> dict[str, str]:
     """The tier container's environment (ConfigMap + Secret env), paths under tmp_path; ``tls``:
     the data of the tier's TLS Secret."""
-    (container,) = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    pod = next(c for c in children if c["kind"] in ("StatefulSet", "DaemonSet"))["spec"][
+        "template"
+    ]["spec"]
+    (container,) = pod["containers"]
     env = dict(by_kind(children, "ConfigMap")["data"])
     for var in container.get("env", []):
         assert var["valueFrom"]["secretKeyRef"], var  # Secrets only; nothing else is expected
@@ -104,7 +109,6 @@ def tier_env(
         env["KVTIER_DISK_DIR"] = str(tmp_path / "disk")
     if env.get("KVTIER_AUTH_TOKENS") == TENANTS_DIR:
         env["KVTIER_AUTH_TOKENS"] = str(mount_secret(tmp_path / "tenants", TOKENS))
-    pod = by_kind(children, "StatefulSet")["spec"]["template"]["spec"]
     tls_volume = next((v for v in pod["volumes"] if v["name"] == "tls"), None)
     if tls_volume is not None:
         assert tls is not None, "the tier mounts a TLS Secret: give its data"
@@ -142,6 +146,9 @@ def test_the_tier_settings_parse_as_kvtier_server_settings_with_the_intended_val
         assert settings.auth_tokens == tmp_path / "tenants"
     else:
         assert settings.auth_tokens is None
+    assert settings.tenant_quota_bytes == (
+        parse_bytes(spec["tenantQuotaBytes"]) if "tenantQuotaBytes" in spec else 0
+    )
     if "tls" in spec:
         assert settings.tls_cert_file == tmp_path / "tier-tls" / "tls.crt"
         assert settings.tls_key_file == tmp_path / "tier-tls" / "tls.key"
@@ -165,7 +172,7 @@ def test_the_tier_reads_every_tenant_of_its_mounted_auth_secret(tmp_path: Path) 
 
 @contextlib.contextmanager
 def run_tier(
-    env: dict[str, str], tmp_path: Path, *, tls: bool = False
+    env: dict[str, str], tmp_path: Path, *, tls: bool = False, disk: bool = True
 ) -> Iterator[tuple[int, int]]:
     """A ``kvtier server`` process with ``env`` on free 127.0.0.1 ports and small tiers,
     once it serves (plaintext: its health check answers SERVING; TLS: its port accepts
@@ -174,13 +181,13 @@ def run_tier(
     env = env | {
         "KVTIER_HOST": "127.0.0.1", "KVTIER_PORT": str(port), "KVTIER_DATA_PORT": str(data_port),
         "KVTIER_METRICS_PORT": str(free_port()), "KVTIER_RAM_BYTES": "64MiB",
-        "KVTIER_DISK_BYTES": "64MiB",
+        "KVTIER_DISK_BYTES": "64MiB" if disk else "0",
     }  # fmt: skip
     log = tmp_path / "server.log"
     with log.open("wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "server"],
-            env={**os.environ, "PYTHONSAFEPATH": "1", **env}, cwd=tmp_path,
+            [sys.executable, "-m", "kvtier.cacheserver"],
+            env={**os.environ, **env}, cwd=tmp_path,
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     target = ("127.0.0.1", port)
@@ -322,3 +329,118 @@ def test_an_engine_reaches_a_mutual_tls_tier_the_operator_configured_over_grpc_a
             pytest.raises(TierError),
         ):
             c.lookup([b"data"])
+
+
+# What vLLM's API server makes of the engine container's command line: its own parser, and
+# the model config it builds from it (the step that reads config.json from --model).
+VLLM_READS_ARGS = """
+import json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+model = AsyncEngineArgs.from_cli_args(args).create_model_config()
+print(json.dumps({
+    "model": model.model, "revision": model.revision, "served": model.served_model_name,
+    "architectures": model.architectures,
+    "extra": args.kv_transfer_config.kv_connector_extra_config,
+}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_loads_a_volume_model_from_the_mounted_path_and_serves_it_under_the_recipes_name(
+    tmp_path: Path,
+) -> None:
+    from kvtier.operator.weights import MODEL_DIR
+    from kvtier.testing.tinymodels import build_text_model
+
+    volume = tmp_path / "volume"  # the claim's content, mounted at MODEL_DIR in the pod
+    build_text_model(volume / "qwen" / "qwen2-tiny")
+    model = {"repo": "Qwen/Qwen2-0.5B", "architecture": "Qwen2ForCausalLM",
+             "volume": {"claimName": "weights", "path": "qwen/qwen2-tiny"}}  # fmt: skip
+    children = recipe_children(model=model, engine={"image": "vllm:cpu", "gpus": 0})
+    (container,) = by_kind(children, "Deployment")["spec"]["template"]["spec"]["containers"]
+    config = by_kind(children, "ConfigMap")["data"]
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    expanded: dict[str, str] = {}  # $(VAR) in args, as the kubelet expands them
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = expanded[var["name"]] = var["value"]
+        else:
+            ref = var["valueFrom"]["configMapKeyRef"]
+            expanded[var["name"]] = config[ref["key"]]
+    assert env["HF_HUB_OFFLINE"] == "1"
+    args = [expanded.get(arg[2:-1], arg) if arg.startswith("$(") else arg for arg in container["args"]]
+    args = [arg.replace(MODEL_DIR, str(volume), 1) if arg.startswith(MODEL_DIR) else arg for arg in args]
+    done = subprocess.run(
+        [sys.executable, "-c", VLLM_READS_ARGS, *args],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["model"] == str(volume / "qwen" / "qwen2-tiny")
+    assert seen["served"] == "Qwen/Qwen2-0.5B"  # what clients ask for
+    assert seen["revision"] == "main"  # pinned in every key
+    assert seen["architectures"] == ["Qwen2ForCausalLM"]
+    assert seen["extra"]["model_id"] == "Qwen/Qwen2-0.5B"
+    assert ConnectorConfig.from_extra_config(seen["extra"]).model_id == "Qwen/Qwen2-0.5B"
+
+
+def test_every_quota_setting_of_a_cache_tier_is_a_per_tenant_quota_flag_of_the_server() -> None:
+    # The map from spec.tenantQuotaBytes to the server's flags lives in one place
+    # (children.TENANT_QUOTA_SETTINGS): each must be a flag the server knows, and parse to
+    # the quota in bytes.
+    known = {flag.env: flag for flag in server_settings._FLAGS}
+    for name in TENANT_QUOTA_SETTINGS:
+        assert name in known, f"{name} is not a kvtier server setting"
+        assert "quota" in known[name].name and "tenant" in known[name].name
+        assert getattr(server_settings.parse([], {name: str(3 << 20)}), known[name].field) == 3 << 20
+
+
+def test_a_tenant_at_the_quota_the_operator_set_evicts_its_own_entries_never_anothers(
+    tmp_path: Path,
+) -> None:
+    quota = 256 << 10
+    env = tier_env(
+        tier_children(authSecretRef={"name": AUTH}, tenantQuotaBytes=quota, disk={"enabled": False}),
+        tmp_path,
+    )
+    assert env["KVTIER_TENANT_QUOTA_BYTES"] == str(quota)
+    with run_tier(env, tmp_path, disk=False) as (port, _):
+        clients = {
+            tenant: TierClient(f"127.0.0.1:{port}", token=token, data_path="grpc")
+            for tenant, token in TOKENS.items()
+        }
+        try:
+            value = b"x" * (64 << 10)
+            b_keys = [b"b-0", b"b-1"]
+            assert clients["team-b"].put([(key, value) for key in b_keys]) == 2
+            a_keys = [f"a-{i}".encode() for i in range(12)]  # 768 KiB: three times the quota
+            for key in a_keys:
+                assert clients["team-a"].put([(key, value)]) == 1
+            kept = [key for key in a_keys if clients["team-a"].get([key]) != [None]]
+            assert a_keys[-1] in kept and len(kept) <= quota // len(value)
+            assert clients["team-b"].get(b_keys) == [value, value]  # never team-a's to evict
+        finally:
+            for client in clients.values():
+                client.close()
+
+
+# The same-node transport (issue 18): the names a per-node tier and its engines are given are
+# the ones the server and the connector read.
+def test_a_per_node_tier_listens_on_the_local_socket_the_operator_sets(tmp_path: Path) -> None:
+    from kvtier.operator.topology import LOCAL_SOCKET
+
+    settings = server_settings.parse([], tier_env(tier_children(**TIERS["per node"]), tmp_path))
+    assert settings.local_socket == Path(LOCAL_SOCKET)
+
+
+def test_engines_of_a_per_node_tier_get_a_local_socket_the_connector_reads() -> None:
+    from kvtier.operator.topology import LOCAL_SOCKET
+
+    (extra,) = connector_configs({}, None, TIERS["per node"])
+    assert extra["local_socket"] == LOCAL_SOCKET
+    config = ConnectorConfig.from_extra_config(extra)
+    assert config.local_socket == LOCAL_SOCKET

@@ -48,6 +48,12 @@ def test_a_resync_period_must_be_positive() -> None:
         run(["--resync-seconds", "0"])
 
 
+def test_a_traffic_period_is_zero_for_off_or_positive() -> None:
+    with pytest.raises(SystemExit):
+        run(["--traffic-seconds", "-1"])
+    assert build_parser().parse_args(["--traffic-seconds", "0"]).traffic_seconds == 0
+
+
 def body(generation: int, **status: Any) -> dict[str, Any]:
     return {"metadata": {"generation": generation}, "status": status}
 
@@ -67,3 +73,26 @@ def test_a_reconcile_of_a_generation_edited_meanwhile_writes_no_status() -> None
     # would describe the old spec (and hide generation 2 from later resyncs).
     stale = {"observedGeneration": 1, "tier": "qwen-tier"}
     assert status_update(body(2), body(1, observedGeneration=1), stale) is None
+
+
+def test_operator_identity_needs_no_passwd_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator image runs as a numeric user with no passwd entry (uid 65532, or any uid
+    a cluster picks): kopf's own guess (getpass.getuser) raises there, so the operator
+    names itself from the pod or the host."""
+    import getpass
+    import pwd
+    import socket
+
+    from kvtier.operator.main import identity
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    for name in ("LOGNAME", "USER", "LNAME", "USERNAME", "POD_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(KeyError):
+        getpass.getuser()  # what kopf would call
+    assert identity() == f"kvtier-operator@{socket.gethostname()}"
+    monkeypatch.setenv("POD_ID", "kvtier-operator-5d9c-xyz")
+    assert identity() == "kvtier-operator-5d9c-xyz"

@@ -18,7 +18,9 @@ from kvtier.operator.errors import Invalid
 from kvtier.operator.kube import KubeClient
 from tests.operator.cluster import (
     CACHE_TIER,
+    CLAIM,
     CONFIGMAP,
+    DAEMONSET,
     DEPLOYMENT,
     EVENT,
     MODEL_RECIPE,
@@ -74,7 +76,7 @@ async def test_crds_print_model_tier_ready_and_age_columns(
         "GET", MODEL_RECIPE.path(namespace), accept="application/json;as=Table;v=v1;g=meta.k8s.io"
     )
     columns = [column["name"] for column in table["columnDefinitions"]]
-    assert columns == ["Name", "Model", "Tier", "Ready", "Reason", "Age"]
+    assert columns == ["Name", "Model", "Tier", "Ready", "Reason", "Hit Rate", "Age"]
     (row,) = table["rows"]
     assert row["cells"][:4] == ["qwen", "Qwen/Qwen2.5-VL-3B-Instruct", "shared", "False"]
 
@@ -88,7 +90,7 @@ async def test_a_cache_tier_gets_its_statefulset_services_and_settings(
     assert statefulset is not None
     pod = statefulset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == ["kvtier", "server"]
+    assert container["command"] == ["kvtier-server"]
     assert container["image"] == "kvtier:test"
     claim = statefulset["spec"]["volumeClaimTemplates"][0]["spec"]
     assert claim["resources"]["requests"]["storage"] == "10Gi"
@@ -525,3 +527,119 @@ async def test_switching_a_recipe_from_inline_to_ref_drops_its_dedicated_tier(
         return await kube.get(CACHE_TIER, namespace, "qwen-tier") is None
 
     await eventually(dropped, what="the dedicated CacheTier to go")
+
+
+GEMMA = {
+    "repo": "google/gemma-3-4b-it", "architecture": "Gemma3ForConditionalGeneration",
+    "modalities": ["text", "image"],
+}  # fmt: skip
+
+
+def claim(namespace: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "10Gi"}}},
+    }  # fmt: skip
+
+
+async def test_a_model_on_a_volume_says_its_claim_is_missing_until_it_exists_and_is_mounted(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace))
+    model = {**GEMMA, "volume": {"claimName": "models", "path": "google/gemma-3-4b-it"}}
+    await kube.create(model_recipe(namespace, model=model))
+    recipe = await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "EngineReady", reason="VolumeNotFound"
+    )
+    message = condition(recipe, "EngineReady")["message"]
+    assert "spec.model.volume.claimName" in message and "'models'" in message
+    deployment = await kube.get(DEPLOYMENT, namespace, "qwen")
+    assert deployment is not None  # applied anyway: its pods start once the claim exists
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][:4] == [
+        "--model", "/models/google/gemma-3-4b-it", "--served-model-name", "google/gemma-3-4b-it",
+    ]  # fmt: skip
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in (
+        pod["volumes"]
+    )
+    await kube.create(claim(namespace, "models"))
+    await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "EngineReady", reason="ReplicasNotReady"
+    )
+
+
+async def test_a_gated_model_gets_its_cache_claim_and_says_its_token_secret_is_missing(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace))
+    model = {**GEMMA, "tokenSecretRef": {"name": "hf"}, "cache": {"size": "50Gi"}}
+    await kube.create(model_recipe(namespace, model=model))
+    recipe = await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "EngineReady", reason="SecretNotFound"
+    )
+    assert "spec.model.tokenSecretRef" in condition(recipe, "EngineReady")["message"]
+    made = await eventually(lambda: kube.get(CLAIM, namespace, "qwen-model-cache"))
+    assert made["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert made["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert made["metadata"]["ownerReferences"][0]["kind"] == "ModelRecipe"
+    await kube.create({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf", "namespace": namespace},
+        "stringData": {"token": "hf_not_a_real_token"},
+    })  # fmt: skip
+    await wait_for_condition(
+        kube, namespace, "ModelRecipe", "qwen", "EngineReady", reason="ReplicasNotReady"
+    )
+    # Created once: a later size is not applied to the claim (resized on the claim itself).
+    await kube.patch(MODEL_RECIPE, namespace, "qwen", {"spec": {"model": {"cache": {"size": "80Gi"}}}})
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "EngineReady", generation=2)
+    again = await kube.get(CLAIM, namespace, "qwen-model-cache")
+    assert again is not None and again["metadata"]["uid"] == made["metadata"]["uid"]
+    assert again["spec"]["resources"]["requests"]["storage"] == "50Gi"
+
+
+async def test_a_per_node_tier_is_a_daemonset_the_api_server_accepts_and_needs_redis(
+    kube: KubeClient, namespace: str
+) -> None:
+    await kube.create(cache_tier(namespace, topology="perNode"))
+    tier = await wait_for_condition(
+        kube, namespace, "CacheTier", "shared", "Ready", reason="InvalidSpec"
+    )
+    assert condition(tier, "Ready")["message"].startswith("spec.topology: a per-node tier needs")
+    assert await kube.get(DAEMONSET, namespace, "shared") is None  # nothing applied
+    await kube.patch(CACHE_TIER, namespace, "shared", {"spec": {
+        "redis": {"url": "redis://redis:6379/0"}, "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }})  # fmt: skip
+    # No node here matches (there is no node at all): said, naming what to check.
+    tier = await wait_for_condition(
+        kube, namespace, "CacheTier", "shared", "Ready", reason="NoNodes", generation=2
+    )
+    assert "spec.nodeSelector" in condition(tier, "Ready")["message"]
+    daemonset = await kube.get(DAEMONSET, namespace, "shared")
+    assert daemonset is not None
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["securityContext"]["capabilities"]["add"] == ["CHOWN", "FOWNER"]
+    (socket_dir,) = [v for v in pod["volumes"] if "hostPath" in v]
+    assert socket_dir["hostPath"] == {
+        "path": f"/var/run/kvtier/{namespace}/shared", "type": "DirectoryOrCreate"
+    }
+    await kube.create(model_recipe(namespace))
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady")
+    deployment = await kube.get(DEPLOYMENT, namespace, "qwen")
+    assert deployment is not None
+    engine = deployment["spec"]["template"]["spec"]
+    assert [v for v in engine["volumes"] if "hostPath" in v] == [socket_dir]
+    config = await kube.get(CONFIGMAP, namespace, "qwen-kvtier")
+    assert config is not None
+    extra = json.loads(config["data"]["kv-transfer-config.json"])["kv_connector_extra_config"]
+    assert extra["local_socket"] == "/run/kvtier/tier.sock"
+    # Back to shared: the StatefulSet replaces the DaemonSet.
+    await kube.patch(CACHE_TIER, namespace, "shared", {"spec": {"topology": "shared"}})
+    await eventually(lambda: kube.get(STATEFULSET, namespace, "shared"), what="a StatefulSet")
+
+    async def daemonset_gone() -> bool:
+        return await kube.get(DAEMONSET, namespace, "shared") is None
+
+    await eventually(daemonset_gone, what="the DaemonSet to go")

@@ -7,10 +7,11 @@ import yaml
 
 from kvtier.operator.children import ClusterFeatures, cache_tier_children, model_recipe_children
 from kvtier.operator.kube import kind_for
+from kvtier.operator.reconcile import CREATE_ONCE
 from kvtier.operator.spec import parse_cache_tier, parse_model_recipe
 from tests.operator.bodies import cache_tier, model_recipe
 
-RBAC = yaml.safe_load((Path(__file__).resolve().parents[2] / "operator" / "rbac.yaml").read_text())
+RBAC = yaml.safe_load((Path(__file__).resolve().parents[2] / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text())
 
 
 def allowed(group: str, resource: str) -> set[str]:
@@ -28,12 +29,27 @@ def test_the_cluster_role_has_no_wildcards() -> None:
 
 
 def test_the_operator_may_apply_every_kind_of_child_it_makes() -> None:
-    children: list[dict[str, Any]] = cache_tier_children(
-        parse_cache_tier(cache_tier()), "img", ClusterFeatures()
-    ) + model_recipe_children(parse_model_recipe(model_recipe(tier={"inline": {}})), None)
+    model = {
+        "repo": "google/gemma-3-4b-it", "architecture": "Gemma3ForConditionalGeneration",
+        "cache": {"size": "100Gi"},
+    }  # fmt: skip
+    recipe = model_recipe(tier={"inline": {}}, model=model)
+    per_node = cache_tier(topology="perNode", redis={"url": "redis://redis:6379/0"})
+    children: list[dict[str, Any]] = [
+        *cache_tier_children(parse_cache_tier(cache_tier()), "img", ClusterFeatures()),
+        *cache_tier_children(parse_cache_tier(per_node), "img", ClusterFeatures()),
+        *model_recipe_children(parse_model_recipe(recipe), None),
+    ]
+    assert {"PersistentVolumeClaim", "DaemonSet"} <= {child["kind"] for child in children}
     for child in children:
         group = child["apiVersion"].rpartition("/")[0]
-        assert {"get", "create", "patch"} <= allowed(group, kind_for(child).plural), child["kind"]
+        # Kinds created once and left alone need no patch.
+        needed = {"get", "create"} | (set() if child["kind"] in CREATE_ONCE else {"patch"})
+        assert needed <= allowed(group, kind_for(child).plural), child["kind"]
+
+
+def test_claims_are_read_and_created_never_changed_listed_or_deleted() -> None:
+    assert allowed("", "persistentvolumeclaims") == {"get", "create"}
 
 
 def test_the_operator_may_not_list_or_delete_its_children() -> None:

@@ -217,3 +217,97 @@ def test_a_multimodal_engine_with_one_vllm_cache_on_or_a_text_model_is_accepted(
     assert parse_model_recipe(raw_recipe(**{**VL, "engine": {"image": "x", "args": args}}))
     both_off = ["--no-enable-prefix-caching", "--mm-processor-cache-gb", "0"]
     assert parse_model_recipe(raw_recipe(**{**MINIMAL, "engine": {"image": "x", "args": both_off}}))
+
+
+def model(**fields: Any) -> dict[str, Any]:
+    return {"repo": "google/gemma-3-4b-it", "architecture": "Gemma3ForConditionalGeneration",
+            **fields}  # fmt: skip
+
+
+def test_a_model_on_a_volume_names_its_claim_and_a_normalized_path_inside_it() -> None:
+    recipe = parse_model_recipe(raw_recipe(**{
+        **MINIMAL, "model": model(volume={"claimName": "weights", "path": "./gemma/3-4b/"}),
+    }))  # fmt: skip
+    assert recipe.model.volume is not None
+    assert (recipe.model.volume.claim, recipe.model.volume.path) == ("weights", "gemma/3-4b")
+    assert recipe.model.claims() == [("spec.model.volume.claimName", "weights")]
+    root = parse_model_recipe(raw_recipe(**{**MINIMAL, "model": model(volume={"claimName": "w"})}))
+    assert root.model.volume is not None and root.model.volume.path == ""
+
+
+@pytest.mark.parametrize("path", ["/abs/gemma", "gemma/../../etc", "..", "a b"])
+def test_a_volume_path_leaving_the_volume_is_rejected_naming_the_field(path: str) -> None:
+    spec = {**MINIMAL, "model": model(volume={"claimName": "weights", "path": path})}
+    with pytest.raises(SpecError, match=r"^spec\.model\.volume\.path: expected a directory"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+def test_a_hub_token_defaults_its_key_to_token() -> None:
+    spec = {**MINIMAL, "model": model(tokenSecretRef={"name": "hf"})}
+    assert parse_model_recipe(raw_recipe(**spec)).model.token == SecretKeyRef("hf", "token")
+
+
+@pytest.mark.parametrize("field", ["tokenSecretRef", "cache"])
+def test_a_hub_token_or_download_cache_with_a_volume_model_is_rejected(field: str) -> None:
+    value = {"name": "hf"} if field == "tokenSecretRef" else {"size": "100Gi"}
+    spec = {**MINIMAL, "model": model(volume={"claimName": "w"}, **{field: value})}
+    with pytest.raises(SpecError, match=rf"^spec\.model\.{field}: the weights come from"):
+        parse_model_recipe(raw_recipe(**spec))
+
+
+def test_a_model_cache_is_an_existing_claim_or_a_size_for_the_operators_claim() -> None:
+    def cache(**fields: Any) -> Any:
+        return parse_model_recipe(raw_recipe(**{**MINIMAL, "model": model(cache=fields)})).model
+
+    made = cache(size="200Gi", storageClassName="nfs").cache
+    assert made is not None
+    assert (made.claim, made.size, made.storage_class, made.access_mode) == (
+        None, "200Gi", "nfs", "ReadWriteMany",
+    )  # fmt: skip
+    existing = cache(claimName="hf-cache")
+    assert existing.claims() == [("spec.model.cache.claimName", "hf-cache")]
+    for fields in ({}, {"claimName": "c", "size": "1Gi"}):
+        with pytest.raises(SpecError, match=r"^spec\.model\.cache: set exactly one of"):
+            cache(**fields)
+    with pytest.raises(SpecError, match=r"^spec\.model\.cache\.claimName: storageClassName"):
+        cache(claimName="c", storageClassName="nfs")
+    with pytest.raises(SpecError, match=r"^spec\.model\.cache\.size: expected a quantity"):
+        cache(size="lots")
+
+
+def test_a_tenant_quota_is_a_quantity_and_zero_or_unset_is_none() -> None:
+    assert parse_cache_tier(cache_tier(tenantQuotaBytes="512Mi")).spec.tenant_quota_bytes == 512 << 20
+    assert parse_cache_tier(cache_tier(tenantQuotaBytes=0)).spec.tenant_quota_bytes == 0
+    assert parse_cache_tier(cache_tier()).spec.tenant_quota_bytes == 0
+    with pytest.raises(SpecError, match=r"^spec\.tenantQuotaBytes: expected a quantity"):
+        parse_cache_tier(cache_tier(tenantQuotaBytes="lots"))
+
+
+def test_a_per_node_tier_without_redis_is_refused_naming_the_topology() -> None:
+    with pytest.raises(SpecError, match=r"^spec\.topology: a per-node tier needs spec\.redis"):
+        parse_cache_tier(cache_tier(topology="perNode"))
+    inline = {**MINIMAL, "tier": {"inline": {"topology": "perNode"}}}
+    with pytest.raises(SpecError, match=r"^spec\.tier\.inline\.topology: "):
+        parse_model_recipe(raw_recipe(**inline))
+    redis = {"url": "redis://redis:6379/0"}
+    tier = parse_cache_tier(cache_tier(topology="perNode", redis=redis)).spec
+    assert tier.per_node and tier.topology == "perNode"
+    assert not parse_cache_tier(cache_tier()).spec.per_node  # shared by default
+
+
+def test_a_per_node_tier_refuses_a_storage_class_it_could_not_use() -> None:
+    spec = {"topology": "perNode", "redis": {"url": "redis://r:6379"},
+            "disk": {"storageClassName": "local-nvme"}}  # fmt: skip
+    with pytest.raises(SpecError, match=r"^spec\.disk\.storageClassName: a per-node tier"):
+        parse_cache_tier(cache_tier(**spec))
+
+
+def test_node_selectors_and_tolerations_are_checked_naming_the_entry() -> None:
+    tier = parse_cache_tier(cache_tier(
+        nodeSelector={"pool": "gpu"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
+    )).spec  # fmt: skip
+    assert (tier.node_selector, tier.tolerations) == ({"pool": "gpu"}, ({"key": "gpu", "operator": "Exists"},))
+    with pytest.raises(SpecError, match=r"^spec\.nodeSelector\.pool: expected a string"):
+        parse_cache_tier(cache_tier(nodeSelector={"pool": 1}))
+    with pytest.raises(SpecError, match=r"^spec\.tolerations\[1\]\.effect: expected one of"):
+        parse_cache_tier(cache_tier(tolerations=[{"key": "a"}, {"key": "b", "effect": "Never"}]))

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.tinymodels import (
+from kvtier.testing.tinymodels import (
+    build_cohere2_vision_model,
     build_gemma3_model,
     build_idefics3_model,
     build_llava_model,
@@ -35,6 +36,7 @@ class Architecture:
     item_tokens: int  # placeholder tokens one test item expands to
     turn: tuple[str, str]  # the text around the user's message
     sliding_window: bool = False  # the decoder interleaves sliding-window and full attention
+    # (vLLM's hybrid KV cache manager gives it one KV cache group per kind of attention)
     config_class: str = ""  # config.json's architecture, where it is not vllm_class
 
     @property
@@ -132,6 +134,19 @@ ARCHITECTURES = [
         item_marker="<|vision_bos|><|IMAGE|><|vision_eos|>",
         item_tokens=64,
         turn=QWEN_TURN,
+    ),
+    Architecture(
+        page="cohere2_vision",
+        vllm_class="Cohere2VisionForConditionalGeneration",
+        build=build_cohere2_vision_model,
+        modality="image",
+        item_marker="<|IMG_PATCH|>",
+        item_tokens=67,  # <|START_OF_IMG|>, 64 <|IMG_PATCH|>, <|IMG_LINE_BREAK|>, <|END_OF_IMG|>
+        turn=(
+            "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>",
+            "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        ),
+        sliding_window=True,
     ),
 ]
 

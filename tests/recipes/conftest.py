@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.testing.engine import EngineProcess
+from kvtier.testing.tierproc import TierProcess
 from tests.e2e.conftest import RELAXED
-from tests.e2e.engine import EngineProcess
 from tests.recipes.architectures import ARCHITECTURES, Architecture
-from tests.tierproc import TierProcess
 
 CHUNK = 256
 INSPECTION_WAIT_S = 120.0

@@ -9,7 +9,8 @@ For each architecture:
   stores zstd-compressed chunks and one that stores them raw; another item with the same
   text reuses only the chunks before the item. The item sits in chunk 1, so "only the
   chunks before it" is exactly one chunk. A unique ``cache_salt`` gives the no-cache
-  reference.
+  reference. When the chunk holding the item fails to load, the engine recomputes it
+  with the item's encoder output from the tier.
 - Encoder cache: in a prompt shorter than one chunk (the KV connector has nothing to
   load), an item another process encoded is loaded from the tier and this process's
   encoder does not run (a forward hook counts its calls), with output identical to the
@@ -22,9 +23,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.engine import EngineProcess, Output
+from kvtier.connector.client import TierClient
+from kvtier.testing.engine import EngineProcess, Output
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
 from tests.recipes.conftest import CHUNK, Engines
-from tests.tinymodels import prompt_text
 
 pytestmark = pytest.mark.vllm
 
@@ -98,19 +101,50 @@ def test_other_item_with_same_text_reuses_only_chunks_before_it(engines: Engines
     assert other.token_ids == reference.token_ids
 
 
-HYBRID_OFF = "Hybrid KV cache manager is disabled for this hybrid model"
-
-
-def test_hybrid_kv_cache_manager_is_off_exactly_for_sliding_window_models(
-    engines: Engines,
+def test_item_chunk_failing_its_load_is_recomputed_with_the_encoder_output_from_the_tier(
+    engines: Engines, recipes_tier: TierProcess
 ) -> None:
-    """With kvtier configured, vLLM 0.32 turns its hybrid KV cache manager off (the
-    connector does not subclass SupportsHMA): a sliding-window model keeps a block for
-    every token of every layer, in one KV cache group, and says so in its log."""
+    """B's load of the chunk holding the item fails (the chunk fails its checksum): vLLM
+    recomputes from that chunk, item included. vLLM dropped the item's data when B's KV
+    hit covered it, so its encoder output comes from the tier (A stored it), and the
+    output is A's no-cache run's (before the encoder-cache connector noted items again
+    after a failed load, vLLM 0.32's engine stopped: "Encoder cache miss")."""
+    a, b = engines.a, engines.b
+    prompt = prompt_with_item_in_chunk_1(engines, text_seed=45)
+    (saved,) = a.generate([request(engines, prompt, seed=46)])
+    assert saved.num_cached_tokens == 0
+    a.flush()
+    a.ec_flush()
+    item_chunk = a.last_chunk_keys()[1]
+    with TierClient(recipes_tier.target) as client:
+        blob = bytearray(client.get([item_chunk])[0] or b"")
+        blob[-100] ^= 0xFF
+        assert client.put([(item_chunk, bytes(blob))]) == 1
+    before, ec_before = b.stats(), b.ec_stats()
+
+    (loaded,) = b.generate([request(engines, prompt, seed=46)])
+
+    after = b.stats()
+    assert loaded.token_ids == saved.token_ids
+    assert after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0) == 1  # chunk 0
+    assert after.get("corrupt_chunks:checksum", 0) - before.get("corrupt_chunks:checksum", 0) == 1
+    assert b.ec_stats().get("hits", 0) == ec_before.get("hits", 0) + 1
+
+
+def test_the_hybrid_kv_cache_manager_stays_on_with_kvtier(engines: Engines) -> None:
+    """kvtier supports vLLM's hybrid KV cache manager (``SupportsHMA``): vLLM keeps it on
+    (its own config says so, and it never logs turning it off), and a sliding-window
+    model gets one KV cache group per kind of attention, with the encoder-output cache
+    on too."""
     for engine in (engines.a, engines.b):
-        log = engine.log.read_text(errors="replace")
-        assert "Turning off hybrid kv cache manager" in log
-        assert (HYBRID_OFF in log) == engines.arch.sliding_window
+        groups = engine.kv_cache_groups()
+        assert groups["hybrid_manager"] is True
+        assert "Turning off hybrid kv cache manager" not in engine.log.read_text(errors="replace")
+        specs = {group["spec"] for group in groups["groups"]}
+        if engines.arch.sliding_window:
+            assert specs == {"SlidingWindowSpec", "FullAttentionSpec"}
+        else:
+            assert len(groups["groups"]) == 1
 
 
 # -- the encoder cache -------------------------------------------------------------

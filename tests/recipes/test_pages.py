@@ -1,5 +1,5 @@
 """recipes/ agrees with itself and with the tests: the index table, the pages, the
-ModelRecipe YAMLs (validated against the CRD in operator/crds) and
+ModelRecipe YAMLs (validated against the CRD in operator/kvtier/operator/crds) and
 tests/recipes/architectures.py (what test_architectures.py runs). The pages build
 with Sphinx, warnings as errors."""
 
@@ -20,16 +20,17 @@ from tests.recipes.architectures import ARCHITECTURES, BY_PAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
-CRDS = ROOT / "operator" / "crds"
+CRDS = ROOT / "operator" / "kvtier" / "operator" / "crds"
 NOT_RECIPES = {"index", "contributing"}
 ENGINES = ("vLLM", "SGLang", "TRT-LLM")
 CHECK, DASH = "✓", "—"
 ARCHITECTURE_TESTS = "tests/recipes/test_architectures.py"
 
 
-def table_rows() -> list[dict[str, str]]:
-    """The rows of the list-table in recipes/index.rst, keyed by the header cells."""
-    text = (RECIPES / "index.rst").read_text()
+def table_rows(text: str | None = None) -> list[dict[str, str]]:
+    """The rows of the (first) list-table in ``text`` (default: recipes/index.rst), keyed
+    by the header cells."""
+    text = (RECIPES / "index.rst").read_text() if text is None else text
     block = text.split(".. list-table::", 1)[1]
     rows: list[list[str]] = []
     for line in block.splitlines()[1:]:
@@ -56,7 +57,7 @@ def recipe_pages() -> set[str]:
 
 
 def modelrecipe_schema() -> dict[str, Any]:
-    """The openAPIV3Schema of the ModelRecipe CRD, whatever file in operator/crds holds it."""
+    """The openAPIV3Schema of the ModelRecipe CRD, whatever file in operator/kvtier/operator/crds holds it."""
     for path in sorted(CRDS.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
         if crd.get("kind") == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == (
@@ -201,3 +202,30 @@ def test_validated_codecs_and_encoder_cache_cite_a_test_that_runs_every_architec
     assert encoder_cache.lstrip("- ").startswith("Encoder-output cache: ✓ validated")
     ec_tests = {name for path, name in cited_tests(encoder_cache) if path == ARCHITECTURE_TESTS}
     assert len(ec_tests) == 2 and ec_tests <= per_architecture_tests()
+
+
+HYBRID_TESTS = "tests/recipes/test_hybrid.py"
+
+
+def hybrid_rows() -> list[dict[str, str]]:
+    """The rows of the list-table in the index's *Hybrid Attention Models* section."""
+    return table_rows(section((RECIPES / "index.rst").read_text(), "Hybrid Attention Models"))
+
+
+def test_the_hybrid_section_lists_exactly_the_sliding_window_architectures() -> None:
+    rows = {page_of(row): row for row in hybrid_rows()}
+    assert next(iter(rows)) == "gemma3"
+    assert set(rows) == {arch.page for arch in ARCHITECTURES if arch.sliding_window}
+    for page, row in rows.items():
+        assert row["Architecture class"] == f"``{BY_PAGE[page].vllm_class}``"
+        assert row["Manager on with kvtier"] == CHECK
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.sliding_window], ids=lambda a: a.page)
+def test_a_hybrid_page_says_what_each_group_stores_and_cites_the_hybrid_tests(arch: Any) -> None:
+    text = section((RECIPES / f"{arch.page}.rst").read_text(), "Hybrid attention")
+    assert "full-attention" in text and "sliding-window" in text
+    cited = {name for path, name in cited_tests(text) if path == HYBRID_TESTS}
+    tree = ast.parse((ROOT / HYBRID_TESTS).read_text())
+    every = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert cited == {name for name in every if name.startswith("test_")}

@@ -35,8 +35,14 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{- /* The operator's image (docker/Dockerfile.operator). */}}
 {{- define "kvtier.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{- /* The cache tier's image (docker/Dockerfile.server): the default tier, CacheTiers without spec.image, helm test. */}}
+{{- define "kvtier.tierImage" -}}
+{{- printf "%s:%s" .Values.tierImage.repository (.Values.tierImage.tag | default .Chart.AppVersion) }}
 {{- end }}
 
 {{- define "kvtier.serviceAccountName" -}}

@@ -1,0 +1,284 @@
+"""The disk tier: one file per value on local disk/NVMe, bounded in bytes.
+
+Layout under the configured directory::
+
+    v1/<2 hex>/<64 hex>    records (see ``kvtier.cacheserver.record``), named by
+                           sha256 of the namespaced key
+    tmp/                   files being written; emptied at start-up
+
+A value is written to ``tmp/`` and renamed into place, so a reader (and a
+restarted server) sees a whole record or none. No fsync by default: after a
+power loss a renamed file may hold garbage, which the record checksum detects
+on read (the entry is deleted and counted, the read is a miss). ``fsync=True``
+trades write speed for keeping entries across power loss.
+
+The index (key -> size, in LRU order) lives in memory and is rebuilt at
+start-up from the records' headers, so entries survive a restart. Eviction
+removes the least recently used files until the new value fits. A key is
+indexed when its write starts (its space reserved) and its file appears at the
+rename: a Get in between is a miss that keeps the entry, a Delete or eviction
+in between makes the write remove its own file once it lands, and writes of
+one key go one at a time, so the index and the files never disagree.
+
+A full filesystem (ENOSPC) before ``capacity_bytes`` is reached is not a
+failure: the tier lowers its capacity to the bytes it holds (logged once per
+lowering, shown by ``kvtier_tier_capacity_bytes``), the value is not stored,
+and later puts evict the least recently used files to fit under the lowered
+capacity. Only a full filesystem holding none of the tier's files is a failure.
+
+File I/O runs in worker threads; the index is only touched from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+from kvtier.cacheserver import record
+from kvtier.cacheserver.errors import TierFailure
+from kvtier.cacheserver.lru import ByteLru
+from kvtier.cacheserver.tiers import TierCounters, TierUsage
+
+logger = logging.getLogger(__name__)
+
+_HEAD_READ = record.HEADER_SIZE + 512  # header + the longest namespaced key
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(
+        self, directory: Path, capacity_bytes: int, *, fsync: bool = False, tenant_quota_bytes: int = 0
+    ) -> None:
+        self.directory = directory
+        self.fsync = fsync
+        self.counters = TierCounters()
+        self.lru = ByteLru(capacity_bytes, tenant_quota_bytes)  # the index: key -> record size
+        self._root = directory / "v1"
+        self._tmp = directory / "tmp"
+        # Keys whose file is being written (indexed already, renamed into place at the end).
+        self._writing: dict[bytes, asyncio.Task[bool]] = {}
+        self._writes_done = 0
+
+    # -- start-up -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Creates the layout and rebuilds the index from the records on disk."""
+        try:
+            entries = await asyncio.to_thread(self._scan)
+        except OSError as exc:
+            raise TierFailure("disk", f"cannot open {self.directory}: {exc.strerror}") from exc
+        victims = [v for key, size in entries for v in self.lru.admit(key, size)]
+        await self._unlink_evicted(victims)
+        logger.info(
+            "disk tier at %s: %d entries, %d bytes recovered", self.directory, len(self.lru), self.lru.used
+        )
+
+    def _scan(self) -> list[tuple[bytes, int]]:
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        for leftover in self._tmp.iterdir():
+            leftover.unlink(missing_ok=True)
+        found: list[tuple[float, bytes, int]] = []
+        for sub in self._root.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                try:
+                    st = path.stat()
+                    with path.open("rb") as f:
+                        key, value_len, _ = record.parse_header(f.read(_HEAD_READ))
+                    if path.name != _file_name(key) or st.st_size != (
+                        record.HEADER_SIZE + len(key) + value_len
+                    ):
+                        raise record.CorruptRecord("name or size does not match the header")
+                except (OSError, record.CorruptRecord):
+                    path.unlink(missing_ok=True)
+                    self.counters.verification_failures += 1
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort()  # oldest first: LRU order approximated by modification time
+        return [(key, size) for _, key, size in found]
+
+    # -- the Tier protocol ---------------------------------------------------------
+
+    async def get(self, key: bytes) -> memoryview | None:
+        if key not in self.lru:
+            self.counters.miss(key)
+            return None
+        path = self._path(key)
+        writes = self._writes_done
+        try:
+            blob = await asyncio.to_thread(_read_file, path)
+        except FileNotFoundError:
+            # Gone, unless its write is on its way or landed while this read was.
+            if key not in self._writing and writes == self._writes_done:
+                self.lru.remove(key)
+            self.counters.miss(key)
+            return None
+        except OSError as exc:
+            raise TierFailure("disk", f"read failed: {exc.strerror}") from exc
+        try:
+            value = record.decode(key, blob)
+        except record.CorruptRecord as exc:
+            logger.warning("disk tier: dropping a corrupt record (%s)", exc)
+            self.counters.verification_failures += 1
+            self.counters.miss(key)
+            await self.delete([key])
+            return None
+        self.lru.touch(key)
+        self.counters.hit(key)
+        return value
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.lru for k in keys]
+
+    async def put(self, key: bytes, value: bytes | memoryview) -> bool:
+        head = record.header(key, value)
+        size = len(head) + memoryview(value).nbytes
+        if not self.lru.fits(size):
+            return False
+        while (prior := self._writing.get(key)) is not None:  # one write of a key at a time
+            await asyncio.wait([prior])
+        write = asyncio.create_task(self._write_indexed(key, size, head, value))
+        self._writing[key] = write
+        write.add_done_callback(partial(self._written, key))
+        # Shielded: a put given up on (its deadline) still finishes its write and its checks.
+        return await asyncio.shield(write)
+
+    async def _write_indexed(
+        self, key: bytes, size: int, head: bytes, value: bytes | memoryview
+    ) -> bool:
+        # Admit (reserve the space) before the write, so concurrent puts cannot overshoot.
+        await self._unlink_evicted(self.lru.admit(key, size))
+        try:
+            await asyncio.to_thread(self._write, key, head, value)
+        except OSError as exc:
+            self.lru.remove(key)
+            if exc.errno == errno.ENOSPC and self.lru.used > 0:
+                self._lower_capacity_to_what_the_filesystem_holds()
+                return False
+            raise TierFailure("disk", f"write failed: {exc.strerror}") from exc
+        if key not in self.lru:  # deleted or evicted while it was written: no file may stay
+            await self._unlink_files([key], "delete")
+        return True
+
+    def _written(self, key: bytes, write: asyncio.Task[bool]) -> None:
+        self._writes_done += 1
+        if self._writing.get(key) is write:
+            del self._writing[key]
+        if not write.cancelled():
+            write.exception()  # retrieved here when the put that waited for it gave up
+
+    def _lower_capacity_to_what_the_filesystem_holds(self) -> None:
+        if self.lru.used < self.lru.capacity_bytes:
+            logger.warning(
+                "disk tier: %s is full at %d bytes of values, below --disk-bytes (%d): "
+                "capacity lowered to %d bytes; free space or lower --disk-bytes",
+                self.directory,
+                self.lru.used,
+                self.lru.capacity_bytes,
+                self.lru.used,
+            )
+            self.lru.capacity_bytes = self.lru.used
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        present = [k for k in keys if self.lru.remove(k) is not None]
+        for key in keys:  # a write in progress removes its own file once it sees the key gone
+            writing = self._writing.get(key)
+            if writing is not None:
+                await asyncio.wait([writing])
+        if present:
+            await self._unlink_files(present, "delete")
+        return len(present)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.lru.used, self.lru.capacity_bytes, len(self.lru))
+
+    def tenant_usage(self, tenant: str) -> TierUsage:
+        return self.lru.tenant_usage(tenant)
+
+    def tenant_usages(self) -> dict[str, TierUsage]:
+        return self.lru.tenant_usages()
+
+    async def ping(self) -> None:
+        """Checks the directory is writable (a probe file written and removed)."""
+        probe = self._tmp / f"ping-{secrets.token_hex(4)}"
+        try:
+            await asyncio.to_thread(_write_and_remove, probe)
+        except OSError as exc:
+            raise TierFailure("disk", f"{self.directory} is not writable: {exc.strerror}") from exc
+
+    async def close(self) -> None:
+        return None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        name = _file_name(key)
+        return self._root / name[:2] / name
+
+    async def _unlink_evicted(self, victims: list[bytes]) -> None:
+        if victims:
+            self.counters.evicted(victims)
+            await self._unlink_files(victims, "eviction")
+
+    async def _unlink_files(self, keys: list[bytes], why: str) -> None:
+        try:
+            await asyncio.to_thread(self._unlink_many, keys)
+        except OSError as exc:
+            raise TierFailure("disk", f"{why} failed: {exc.strerror}") from exc
+
+    def _unlink_many(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def _write(self, key: bytes, head: bytes, value: bytes | memoryview) -> None:
+        final = self._path(key)
+        tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(value)
+            _write_all(fd, head)
+            _write_all(fd, view)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def _file_name(key: bytes) -> str:
+    return hashlib.sha256(key).hexdigest()
+
+
+def _read_file(path: Path) -> bytes:
+    with path.open("rb", buffering=0) as f:
+        return f.read()
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _write_and_remove(path: Path) -> None:
+    path.write_bytes(b"ok")
+    path.unlink()

@@ -1,0 +1,428 @@
+"""``LocalTransport``: every call over the tier's Unix socket, values through shared memory.
+
+The same-node transport (``kvtier.proto.localwire``; docs/protocol.md, "Same-node
+transport") for a client on the tier's node: Lookup, Delete and Stats are control
+messages on the socket; a Get answers where each value lies in the tier's memfd
+segments (read-only file descriptors arrive with the reply, ``SCM_RIGHTS``, and are
+mapped once per connection), and the client copies the values out into its receive
+buffers (``kvtier.proto.buffers.ReceiveBuffers``), checking each value's checksum in the
+same pass, then releases its lease; a Put writes the values into the connection's
+staging segment (one the tier gave it) and the tier copies them into its own memory.
+
+Integrity: the tier does not reuse a leased value's memory, and if it ends a lease (a
+client too slow for ``--data-timeout``) it closes the connection *first*: so a Get whose
+connection is still open after its copies copied whole values, and the checksums say so
+again. A Get that finds its connection closed, or a checksum that does not match, fails
+the call (``TierUnavailable``), never returns the bytes.
+
+Puts are pipelined: the staging segment holds two halves, and while the tier copies one
+half's values the client writes the next values into the other.
+
+Errors as ``DataPortTransport``'s: ``TransportUnreachable`` when the socket cannot be
+connected (no file, nobody listening, no permission: another transport may serve),
+else ``TierUnavailable`` or ``TierRejected`` with gRPC's code names. A connection that
+failed is closed, never reused; a pooled one the tier closed while idle is replaced
+and the call tried once more (every call is idempotent).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import mmap
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from typing_extensions import Buffer
+
+from kvtier.connector.client.codes import code_name, tier_error
+from kvtier.connector.client.transport import Items, TransportUnreachable, Values
+from kvtier.connector.errors import TierRejected, TierUnavailable
+from kvtier.proto import cache_pb2
+from kvtier.proto import localwire as lw
+from kvtier.proto.buffers import ReceiveBuffers
+from kvtier.proto.localwire import Op, Place, Status
+
+T = TypeVar("T")
+MAX_IDLE = 4
+CONNECT_TIMEOUT_S = 1.0
+STAGING_ROUND = 1 << 20
+PIPELINE_BYTES = 16 << 20  # what a Put request carries at most when its values are smaller
+_ANCILLARY = socket.CMSG_SPACE(lw.MAX_FDS * array.array("i").itemsize)
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float) -> None:
+        self.end = time.monotonic() + timeout_s
+
+    def arm(self, sock: socket.socket) -> None:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline exceeded")
+        sock.settimeout(left)
+
+
+class _Refused(Exception):
+    """The tier answered a request with an error status."""
+
+    def __init__(self, status: int, message: str, count: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+        self.count = count
+
+
+class _Broken(Exception):
+    """The connection cannot be trusted any more (closed under a lease, a bad checksum)."""
+
+
+class _Staging:
+    def __init__(self, fd: int, size: int) -> None:
+        try:
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.view = memoryview(self.map)
+
+
+class _Conn:
+    """One connection: its socket, the tier's segments it mapped, its staging segment."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fds: deque[int] = deque()
+        self.segments: dict[int, memoryview] = {}
+        self.staging: _Staging | None = None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        while self.fds:
+            with contextlib.suppress(OSError):
+                os.close(self.fds.popleft())
+        for view in self.segments.values():
+            _unmap(view)
+        self.segments.clear()
+        if self.staging is not None:
+            _unmap(self.staging.view)
+            self.staging = None
+
+    def recv_into(self, view: memoryview, deadline: _Deadline) -> None:
+        got, n = 0, view.nbytes
+        while got < n:
+            deadline.arm(self.sock)
+            k, ancillary, flags, _ = self.sock.recvmsg_into([view[got:]], _ANCILLARY)
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                    self.fds.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                raise ConnectionError("file descriptors from the tier were cut off")
+            if not k:
+                raise ConnectionError("the tier closed the local connection")
+            got += k
+
+    def recv(self, n: int, deadline: _Deadline) -> bytearray:
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf), deadline)
+        return buf
+
+    def send(self, data: Sequence[Buffer], deadline: _Deadline) -> None:
+        for part in data:
+            deadline.arm(self.sock)
+            self.sock.sendall(part)
+
+    def reply(self, op: Op, deadline: _Deadline) -> tuple[int, int, str]:
+        """Reads a reply header and text; returns (count, extra, text) or raises _Refused."""
+        magic, version, _op, status, count, extra, text_len = lw.REPLY.unpack(
+            self.recv(lw.REPLY.size, deadline)
+        )
+        if magic != lw.MAGIC or version != lw.VERSION:
+            raise ConnectionError(f"not a kvtier local reply (magic {magic!r}, version {version})")
+        text = self.recv(text_len, deadline).decode(errors="replace") if text_len else ""
+        if status != Status.OK:
+            raise _Refused(status, text, count)
+        return count, extra, text
+
+    def map_segments(self, n: int, deadline: _Deadline) -> None:
+        """Maps the ``n`` segments a reply handed over (their records, then their fds)."""
+        records = self.recv(n * lw.SEGMENT.size, deadline)
+        for i in range(n):
+            segment, size = lw.SEGMENT.unpack_from(records, i * lw.SEGMENT.size)
+            if not self.fds:
+                raise ConnectionError("the tier named a segment but sent no file descriptor")
+            fd = self.fds.popleft()
+            try:
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            old = self.segments.pop(segment, None)
+            if old is not None:
+                _unmap(old)
+            self.segments[segment] = memoryview(mapped)
+
+    def still_open(self) -> bool:
+        """Whether the tier has not closed this connection (nothing may be waiting on it)."""
+        self.sock.settimeout(0.0)  # a peek that never waits (the next call arms a deadline)
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if data:
+            raise ConnectionError("the tier sent bytes nobody asked for")
+        return False
+
+
+def _unmap(view: memoryview) -> None:
+    mapped = view.obj
+    view.release()
+    if isinstance(mapped, mmap.mmap):
+        with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped with it
+            mapped.close()
+
+
+class LocalTransport:
+    name = "local"
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        authorization: str | None,
+        buffers: ReceiveBuffers | None = None,
+        max_idle: int = MAX_IDLE,
+    ) -> None:
+        """``path``: the tier's Unix socket (``--local-socket``). ``authorization``: the
+        HELLO of every new connection ("Bearer <token>")."""
+        self.path = path
+        self.authorization = authorization
+        self.buffers = buffers if buffers is not None else ReceiveBuffers(0)
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def connect(self, *, timeout_s: float) -> None:
+        """Opens one connection now (kept for the next call); raises TransportUnreachable
+        when nothing answers on the socket, TierRejected when the tier refuses the token."""
+        self._release(self._connect(_Deadline(timeout_s)))
+
+    # -- calls ----------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], *, timeout_s: float) -> int:
+        return self._keys_call("Lookup", Op.LOOKUP, keys, timeout_s)
+
+    def delete(self, keys: Sequence[bytes], *, timeout_s: float) -> int:
+        return self._keys_call("Delete", Op.DELETE, keys, timeout_s)
+
+    def stats(self, *, timeout_s: float) -> cache_pb2.StatsResponse:
+        def call(conn: _Conn, deadline: _Deadline) -> cache_pb2.StatsResponse:
+            conn.send([lw.request(Op.STATS)], deadline)
+            _, size, _ = conn.reply(Op.STATS, deadline)
+            return cache_pb2.StatsResponse.FromString(bytes(conn.recv(size, deadline)))
+
+        return self._call("Stats", call, timeout_s)
+
+    def get(self, keys: Sequence[bytes], *, stop_at_first_miss: bool, timeout_s: float) -> Values:
+        flags = lw.FLAG_STOP_AT_FIRST_MISS if stop_at_first_miss else 0
+        table = lw.key_table(list(keys))
+        request = lw.request(Op.GET, len(keys), len(table), flags)
+
+        def call(conn: _Conn, deadline: _Deadline) -> Values:
+            conn.send([request, table], deadline)
+            count, segments, _ = conn.reply(Op.GET, deadline)
+            conn.map_segments(segments, deadline)
+            raw = conn.recv(count * lw.ENTRY.size, deadline)
+            entries = [lw.ENTRY.unpack_from(raw, i * lw.ENTRY.size) for i in range(count)]
+            out: Values = []
+            shared: list[tuple[memoryview, memoryview, int]] = []  # destination, source, checksum
+            for place, segment, offset, length, crc in entries:
+                if place == Place.MISSING:
+                    out.append(None)
+                    continue
+                buf = memoryview(self.buffers.take(length))
+                if place == Place.INLINE:
+                    conn.recv_into(buf, deadline)  # inline values follow the entries, in order
+                else:
+                    source = conn.segments.get(segment)
+                    if source is None or offset + length > source.nbytes:
+                        raise ConnectionError(f"the tier named bytes outside segment {segment}")
+                    shared.append((buf, source[offset : offset + length], crc))
+                out.append(buf.toreadonly())
+            for i, (buf, source, crc) in enumerate(shared):
+                if lw.copy_checked(buf, source) != crc:
+                    raise _Broken(f"value {i} of the Get failed its checksum after the copy")
+            if shared:
+                if not conn.still_open():
+                    raise _Broken("the tier ended this connection's lease during the copy")
+                conn.send([lw.request(Op.RELEASE)], deadline)
+            return out
+
+        return self._call("Get", call, timeout_s)
+
+    def put(self, items: Items, *, timeout_s: float) -> int:
+        values = [(key, [memoryview(p).cast("B") for p in parts]) for key, parts in items]
+        lengths = [sum(p.nbytes for p in parts) for _, parts in values]
+
+        def call(conn: _Conn, deadline: _Deadline) -> int:
+            if not values:
+                return 0
+            staging = self._staging(conn, max(lengths), sum(lengths), deadline)
+            halves = 2 if staging.size >= 2 * max(lengths) else 1
+            region = staging.size // halves
+            stored = 0
+            pending: deque[int] = deque()  # requests sent and not yet answered
+            i = turn = 0
+            while i < len(values):
+                group, used = [], 0
+                while i < len(values) and used + lengths[i] <= region:
+                    group.append(i)
+                    used += lengths[i]
+                    i += 1
+                assert group, "a region holds at least the largest value"
+                while len(pending) >= halves:  # the region's last request must be answered
+                    stored += self._put_reply(conn, pending, deadline)
+                base, turn = region * (turn % halves), turn + 1
+                table, offset = [], base
+                for j in group:
+                    key, parts = values[j]
+                    crc = lw.copy_checked(staging.view[offset : offset + lengths[j]], *parts)
+                    table.append((key, offset, lengths[j], crc))
+                    offset += lengths[j]
+                raw = lw.put_table(table)
+                conn.send([lw.request(Op.PUT, len(table), len(raw)), raw], deadline)
+                pending.append(len(table))
+            while pending:
+                stored += self._put_reply(conn, pending, deadline)
+            return stored
+
+        return self._call("Put", call, timeout_s)
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _put_reply(self, conn: _Conn, pending: deque[int], deadline: _Deadline) -> int:
+        pending.popleft()
+        stored, _, _ = conn.reply(Op.PUT, deadline)
+        return stored
+
+    def _staging(self, conn: _Conn, largest: int, total: int, deadline: _Deadline) -> _Staging:
+        """The connection's staging segment: two halves of at least ``largest`` bytes
+        (pipelined; up to ``PIPELINE_BYTES`` each, so that small values go a few to a
+        request), or room for one value when the tier cannot give more."""
+        if conn.staging is not None and conn.staging.size >= largest:
+            return conn.staging
+        half = max(largest, min(total, PIPELINE_BYTES))
+        want = -(-2 * half // STAGING_ROUND) * STAGING_ROUND
+        for size in (want, largest):
+            try:
+                conn.send([lw.request(Op.STAGE, 0, lw.STAGE.size), lw.STAGE.pack(size)], deadline)
+                conn.reply(Op.STAGE, deadline)
+            except _Refused as exc:  # no room for two values (now, or ever): one
+                if (
+                    exc.status in (Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED)
+                    and size != largest
+                ):
+                    continue
+                raise
+            if not conn.fds:
+                raise ConnectionError("the tier sent no staging segment")
+            if conn.staging is not None:
+                _unmap(conn.staging.view)
+            conn.staging = _Staging(conn.fds.popleft(), size)
+            return conn.staging
+        raise AssertionError("unreachable")
+
+    def _keys_call(self, op_name: str, op: Op, keys: Sequence[bytes], timeout_s: float) -> int:
+        table = lw.key_table(list(keys))
+        request = lw.request(op, len(keys), len(table))
+
+        def call(conn: _Conn, deadline: _Deadline) -> int:
+            conn.send([request, table], deadline)
+            count, _, _ = conn.reply(op, deadline)
+            return count
+
+        return self._call(op_name, call, timeout_s)
+
+    def _call(self, op: str, fn: Callable[[_Conn, _Deadline], T], timeout_s: float) -> T:
+        deadline = _Deadline(timeout_s)
+        for attempt in (0, 1):
+            conn, reused = self._acquire(deadline)
+            try:
+                result = fn(conn, deadline)
+            except _Refused as exc:
+                conn.close()
+                raise tier_error(op, code_name(exc.status), str(exc)) from exc
+            except _Broken as exc:
+                conn.close()
+                raise TierUnavailable(f"{op}: DATA_LOSS: {exc}") from exc
+            except TimeoutError as exc:
+                conn.close()
+                raise TierUnavailable(
+                    f"{op}: DEADLINE_EXCEEDED: no answer on the local socket within {timeout_s:g}s"
+                ) from exc
+            except (OSError, ConnectionError) as exc:
+                conn.close()
+                if reused and attempt == 0:
+                    continue  # the tier closed this idle connection: once more on a new one
+                raise TierUnavailable(
+                    f"{op}: UNAVAILABLE: local socket {self.path}: {exc}"
+                ) from exc
+            except BaseException:
+                conn.close()
+                raise
+            self._release(conn)
+            return result
+        raise AssertionError("unreachable")
+
+    def _acquire(self, deadline: _Deadline) -> tuple[_Conn, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(deadline), False
+
+    def _release(self, conn: _Conn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _connect(self, deadline: _Deadline) -> _Conn:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.001, min(CONNECT_TIMEOUT_S, deadline.end - time.monotonic())))
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise TransportUnreachable(
+                f"cannot connect to the local socket {self.path}: {exc}"
+            ) from exc
+        conn = _Conn(sock)
+        try:
+            auth = (self.authorization or "").encode()
+            conn.send([lw.request(Op.HELLO, 0, len(auth)), auth], deadline)
+            conn.reply(Op.HELLO, deadline)
+        except _Refused as exc:
+            conn.close()
+            raise TierRejected(
+                f"LocalHello: {code_name(exc.status)}: {exc}", code_name(exc.status)
+            ) from exc
+        except (OSError, ConnectionError) as exc:
+            conn.close()
+            raise TransportUnreachable(f"local socket {self.path}: {exc}") from exc
+        return conn

@@ -1,0 +1,3 @@
+"""Moved to kvtier.connector.chunks.codec; this path stays importable for routers and tools."""
+
+from kvtier.connector.chunks.codec import *  # noqa: F403

@@ -1,0 +1,147 @@
+"""The same-node transport's wire format: control messages on a Unix socket, values in shared memory.
+
+When an engine and its tier share a node, the tier (``kvtier server --local-socket``)
+keeps its RAM tier's values in memfd segments and hands the client read-only file
+descriptors of them over a Unix stream socket (``SCM_RIGHTS``); only control messages
+cross the socket (docs/protocol.md, "Same-node transport"). Both ends import their
+headers, codes and the value checksum from here (the server from
+``kvtier.cacheserver.localport``, the client from ``kvtier.connector.client.local``)::
+
+    request  REQUEST: magic "KVTL" | version u8 | op u8 | flags u16 | count u32 | table_len u32
+             then table_len bytes of table
+    reply    REPLY: magic "KVTL" | version u8 | op u8 | status u16 | count u32 | extra u32 | text_len u32
+             then text_len bytes of UTF-8 text (an error's message; HELLO: the caller's tenant),
+             then the op's body
+
+    HELLO    table: the authorization value ("Bearer <token>", UTF-8; may be empty)
+             -> OK, text: the caller's tenant
+    LOOKUP   table: count x (key_len u16, key) -> OK, count: the present prefix's length
+    DELETE   table: count x (key_len u16, key) -> OK, count: keys deleted
+    STATS    no table -> OK, extra: body length; body: a kvtier.v1 StatsResponse message
+    GET      table: count x (key_len u16, key); flags bit 0: stop at the first miss
+             -> OK, count: entries, extra: segments handed over (their fds ride on this reply);
+             body: extra x SEGMENT, then count x ENTRY, then the INLINE values back to back.
+             The SHARED values of the reply are leased to the connection until RELEASE.
+    RELEASE  no table, no reply: ends the connection's lease (the client copied its values)
+    STAGE    table: size u64 -> OK, one fd (a writable memfd of that size: the connection's
+             staging segment, replacing any earlier one)
+    PUT      table: count x PUT_ITEM, each followed by its key: values already written into
+             the staging segment at offset..offset+length, with their checksums
+             -> OK, count: values stored, extra: values rejected for capacity
+
+``status`` is a gRPC status code number (``Status``, the data port's). The checksum of a
+value is xxh3-64 of its bytes (``checksum``), computed by the side that writes it while it
+copies (``copy_checked``) and checked by the side that reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import xxhash
+
+from kvtier.proto.datawire import Status
+
+__all__ = [
+    "ENTRY",
+    "FLAG_STOP_AT_FIRST_MISS",
+    "KEY",
+    "MAGIC",
+    "MAX_FDS",
+    "MAX_HELLO_BYTES",
+    "MAX_TABLE_BYTES",
+    "PUT_ITEM",
+    "REPLY",
+    "REQUEST",
+    "SEGMENT",
+    "STAGE",
+    "VERSION",
+    "Op",
+    "Place",
+    "Status",
+    "checksum",
+    "copy_checked",
+    "key_table",
+    "put_table",
+    "reply",
+    "request",
+]
+
+MAGIC = b"KVTL"
+VERSION = 1
+REQUEST = struct.Struct("<4sBBHII")  # 16 bytes
+REPLY = struct.Struct("<4sBBHIII")  # 20 bytes
+KEY = struct.Struct("<H")
+PUT_ITEM = struct.Struct("<HQQQ")  # key_len, staging offset, length, checksum
+SEGMENT = struct.Struct("<IQ")  # segment id, size
+ENTRY = struct.Struct("<BxxxIQQQ")  # place, segment id, offset, length, checksum
+STAGE = struct.Struct("<Q")
+
+FLAG_STOP_AT_FIRST_MISS = 1
+MAX_TABLE_BYTES = 64 << 20
+MAX_HELLO_BYTES = 8 << 10
+MAX_FDS = 250  # file descriptors per sendmsg (the kernel's limit is 253)
+# Values are copied and hashed in blocks of this size: each block is hashed while it is
+# still in the CPU's cache, so the checksum costs little more than the copy.
+BLOCK = 256 << 10
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    LOOKUP = 2
+    GET = 3
+    PUT = 4
+    DELETE = 5
+    STATS = 6
+    STAGE = 7
+    RELEASE = 8
+
+
+class Place(enum.IntEnum):
+    """Where a GET entry's value is."""
+
+    MISSING = 0
+    SHARED = 1  # in a segment: copy it out (under the connection's lease)
+    INLINE = 2  # its bytes follow the reply on the socket (a small value, or one not in a segment)
+
+
+def request(op: Op, count: int = 0, table_len: int = 0, flags: int = 0) -> bytes:
+    return REQUEST.pack(MAGIC, VERSION, op, flags, count, table_len)
+
+
+def reply(op: int, status: Status, count: int = 0, extra: int = 0, text: str = "") -> bytes:
+    raw = text.encode()
+    return REPLY.pack(MAGIC, VERSION, op, status, count, extra, len(raw)) + raw
+
+
+def key_table(keys: list[bytes]) -> bytes:
+    return b"".join(KEY.pack(len(k)) + k for k in keys)
+
+
+def put_table(items: list[tuple[bytes, int, int, int]]) -> bytes:
+    """``items``: (key, staging offset, length, checksum)."""
+    return b"".join(PUT_ITEM.pack(len(k), o, n, c) + k for k, o, n, c in items)
+
+
+def checksum(value: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(value)
+
+
+def copy_checked(dst: memoryview, *sources: memoryview) -> int:
+    """Copies ``sources`` back to back into ``dst`` (of their total length) and returns the
+    checksum of what landed in ``dst``, each block hashed right after it is copied."""
+    total = sum(src.nbytes for src in sources)
+    if dst.nbytes != total:
+        raise ValueError(f"copy of {total} bytes into {dst.nbytes}")
+    h = xxhash.xxh3_64()
+    pos = 0
+    for src in sources:
+        n = src.nbytes
+        for offset in range(0, n, BLOCK):
+            end = min(n, offset + BLOCK)
+            part = dst[pos + offset : pos + end]
+            part[:] = src[offset:end]
+            h.update(part)
+        pos += n
+    return h.intdigest()

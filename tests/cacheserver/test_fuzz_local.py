@@ -1,0 +1,130 @@
+"""A bounded fuzz run over the same-node transport's control messages (``kvtier.proto.localwire``).
+
+Requests that are almost right (real magic, version and ops with random flags, counts,
+tables and lengths, tables of real key and PUT-item records with random fields) and
+random bytes, each on a fresh connection that then ends its sending side. Every reply
+must carry a status from the contract (never INTERNAL), and the tier must stay up with
+no unhandled exception in its log. CI runs a bounded number of examples; a longer run
+is ``KVTIER_FUZZ_EXAMPLES=20000 scripts/test tests/cacheserver/test_fuzz_local.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.connector.client import TierClient
+from kvtier.proto import localwire as lw
+from kvtier.proto.localwire import Op, Status
+from kvtier.testing.tierproc import TierProcess
+
+EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "150"))
+ALLOWED = {
+    Status.OK,
+    Status.INVALID_ARGUMENT,
+    Status.RESOURCE_EXHAUSTED,
+    Status.UNAVAILABLE,
+    Status.UNAUTHENTICATED,  # an authorization value that is not UTF-8
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierProcess]:
+    tier = TierProcess.start(
+        tmp_path_factory.mktemp("fuzz-local"),
+        "--max-value-bytes", "1MiB", "--incoming-bytes", "4MiB", "--max-keys", "64",
+        local_socket=True,
+    )  # fmt: skip
+    with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
+        c.put([(b"k%d" % i, os.urandom(n)) for i, n in enumerate((10, 70_000, 300_000))])
+    yield tier
+    tier.stop()
+
+
+def exchange(path: str, data: bytes) -> list[int]:
+    """Sends ``data`` on a fresh connection, ends the sending side, and returns the status of
+    every reply header found in what comes back (replies of ops that answer with a body are
+    not walked past: the first header is what the contract speaks about)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the tier closed first (a stream it could not parse)
+        received = b""
+        while True:
+            try:
+                chunk, _, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(lw.MAX_FDS * 4))
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    statuses = []
+    if len(received) >= lw.REPLY.size:
+        magic, version, _op, status, _count, _extra, _text = lw.REPLY.unpack_from(received)
+        assert (magic, version) == (lw.MAGIC, lw.VERSION)
+        statuses.append(status)
+    return statuses
+
+
+keys = st.lists(st.binary(min_size=0, max_size=300), max_size=5)
+key_table = keys.map(lambda ks: lw.key_table([k[:0xFFFF] for k in ks]))
+put_items = st.lists(
+    st.tuples(
+        st.binary(max_size=300),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+    ),
+    max_size=4,
+).map(lambda items: lw.put_table(items))
+table = st.one_of(key_table, put_items, st.binary(max_size=64), st.integers(0, 2**64 - 1).map(lw.STAGE.pack))
+request = st.builds(
+    lambda op, flags, count, body, declared: lw.REQUEST.pack(
+        lw.MAGIC, lw.VERSION, op, flags, count, len(body) if declared is None else declared
+    )
+    + body,
+    op=st.one_of(st.sampled_from(list(Op)), st.integers(0, 255)),
+    flags=st.integers(0, 0xFFFF),
+    count=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
+    body=table,
+    declared=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+)
+hello = lw.request(Op.HELLO, 0, 0)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request, min_size=1, max_size=3), greet=st.booleans())
+def test_random_control_messages_get_a_contract_status(
+    fuzz_tier: TierProcess, requests: list[bytes], greet: bool
+) -> None:
+    data = (hello if greet else b"") + b"".join(requests)
+    for status in exchange(fuzz_tier.local_socket, data):
+        assert status in ALLOWED
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=200))
+def test_random_bytes_get_a_contract_status(fuzz_tier: TierProcess, data: bytes) -> None:
+    for status in exchange(fuzz_tier.local_socket, data):
+        assert status in ALLOWED
+
+
+def test_the_tier_survived_the_fuzz_without_an_unhandled_exception(fuzz_tier: TierProcess) -> None:
+    with TierClient(fuzz_tier.target, local_socket=fuzz_tier.local_socket, data_path="local") as c:
+        assert c.lookup([b"k0", b"k1", b"k2"]) == 3
+        assert [v is not None for v in c.get([b"k0", b"k1", b"k2"])] == [True, True, True]
+    log = fuzz_tier.log.read_text()
+    assert "Traceback" not in log and "internal error" not in log
+    metrics = fuzz_tier.metrics()
+    assert 'code="INTERNAL"' not in metrics
+    assert fuzz_tier.metric("kvtier_server_incoming_bytes") == 0  # every staging segment went with its connection
+    assert fuzz_tier.metric("kvtier_local_leased_bytes") == 0

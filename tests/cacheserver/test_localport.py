@@ -1,0 +1,495 @@
+"""The same-node transport on real tier processes: its Unix socket, shared segments and leases.
+
+``TierClient`` with ``local_socket`` for what clients do, ``kvtier.testing.localraw`` for
+what they must not be able to do (hold a lease and stop, die mid-copy, write into the
+tier's memory, send garbage).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.connector.client import TierClient
+from kvtier.connector.errors import TierRejected, TierUnavailable
+from kvtier.proto import localwire as lw
+from kvtier.proto.localwire import Op, Place, Status
+from kvtier.testing.localraw import RawLocal
+from kvtier.testing.tierproc import TierProcess
+
+TOKEN_A = "a" * 24 + "-tenant-a-token"
+TOKEN_B = "b" * 24 + "-tenant-b-token"
+MIB = 1 << 20
+
+
+def value(n: int, seed: int = 0) -> bytes:
+    """``n`` bytes that say which value they are in every 16-byte block."""
+    return (seed.to_bytes(4, "little") + os.urandom(12)) * (n // 16) + b"x" * (n % 16)
+
+
+def as_bytes(values: list[bytes | memoryview | None]) -> list[bytes | None]:
+    return [None if v is None else bytes(v) for v in values]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture
+def local_tier(start_tier: Callable[..., TierProcess]) -> TierProcess:
+    return start_tier("--max-keys", "64", "--max-value-bytes", "80MiB", local_socket=True, data_port=True)
+
+
+@pytest.fixture
+def client(local_tier: TierProcess) -> Iterator[TierClient]:
+    with TierClient(local_tier.target, local_socket=local_tier.local_socket, timeout_s=30, data_path="local") as c:
+        yield c
+
+
+@pytest.fixture
+def tokens_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "tokens"
+    d.mkdir()
+    (d / "team-a").write_text(TOKEN_A)
+    (d / "team-b").write_text(TOKEN_B)
+    return d
+
+
+# -- round trips -----------------------------------------------------------------------
+
+
+def test_values_of_every_size_come_back_byte_for_byte(client: TierClient) -> None:
+    sizes = [1, 1000, (64 << 10) - 1, 64 << 10, MIB + 3, 16 * MIB + 5]
+    items = [(b"v%d" % n, value(n, i)) for i, n in enumerate(sizes)]
+    assert client.put(items[:3]) == 3
+    assert client.put([(k, [v[:5], v[5:]]) for k, v in items[3:]]) == 3  # values given in two parts
+    assert as_bytes(client.get([k for k, _ in items])) == [v for _, v in items]
+    assert client.transport == "local"
+
+
+def test_a_64_mib_value_round_trips_whole(client: TierClient) -> None:
+    big = value(64 * MIB | 12345)
+    assert client.put([(b"big", big)]) == 1
+    (got,) = client.get([b"big"])
+    assert got is not None and bytes(got) == big
+
+
+def test_get_stops_at_the_first_miss_only_when_asked(client: TierClient) -> None:
+    client.put([(b"a", b"1"), (b"c", value(MIB))])
+    assert as_bytes(client.get([b"a", b"b", b"c"])) == [b"1", None]
+    assert as_bytes(client.get([b"a", b"b", b"c"], stop_at_first_miss=False))[:2] == [b"1", None]
+
+
+def test_lookup_delete_and_stats_answer_over_the_socket(local_tier: TierProcess, client: TierClient) -> None:
+    client.put([(b"a", b"1"), (b"b", value(MIB))])
+    assert client.lookup([b"a", b"b", b"c", b"a"]) == 2
+    assert client.delete([b"a", b"zz"]) == 1
+    assert client.lookup([b"a"]) == 0
+    stats = client.stats()
+    assert stats.tenant == "default" and [t.name for t in stats.tiers] == ["ram", "disk"]
+    for op in ("LocalLookup", "LocalDelete", "LocalStats"):
+        assert local_tier.metric("kvtier_server_requests_total", op=op, code="OK") >= 1
+    assert local_tier.metric("kvtier_server_requests_total", op="Lookup", code="OK") == 0  # never gRPC
+
+
+def test_a_large_value_is_answered_with_where_it_lies_not_with_its_bytes(
+    local_tier: TierProcess, client: TierClient
+) -> None:
+    big, small = value(8 * MIB, 1), b"tiny"
+    client.put([(b"big", big), (b"small", small)])
+    with RawLocal(local_tier.local_socket, "") as raw:
+        reply, (e_big, e_small) = raw.get([b"big", b"small"])
+        assert reply.status == Status.OK and reply.extra == 1  # the segment's fd rode on the reply
+        assert e_big.place == Place.SHARED and e_big.length == len(big)
+        assert e_big.checksum == lw.checksum(big)
+        assert raw.read(e_big) == big
+        assert e_small.place == Place.INLINE and e_small.inline == small
+        raw.release()
+        reply, _ = raw.get([b"big"])
+        assert reply.extra == 0  # a connection is handed a segment once
+        raw.release()
+
+
+def test_values_are_the_same_entries_over_every_transport(local_tier: TierProcess) -> None:
+    with (
+        TierClient(local_tier.target, local_socket=local_tier.local_socket, data_path="local") as local,
+        TierClient(local_tier.target, data_path="data") as data,
+        TierClient(local_tier.target, data_path="grpc") as grpc_,
+    ):
+        local.put([(b"via-local", value(2 * MIB, 1))])
+        data.put([(b"via-data", value(2 * MIB, 2))])
+        grpc_.put([(b"via-grpc", value(3 * MIB, 3))])  # several frames: reassembled into a segment
+        keys = [b"via-local", b"via-data", b"via-grpc"]
+        assert as_bytes(local.get(keys)) == as_bytes(data.get(keys)) == as_bytes(grpc_.get(keys))
+        assert local_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 1
+
+
+def test_metrics_count_local_requests_and_value_bytes(local_tier: TierProcess, client: TierClient) -> None:
+    client.put([(b"m", b"x" * 1000), (b"n", value(MIB))])
+    client.get([b"m", b"n", b"none"], stop_at_first_miss=False)
+    # A Put call sends a PUT request per half of its staging segment (here: two).
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") >= 1
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 1
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 1
+    assert local_tier.metric("kvtier_server_received_bytes_total") == 1000 + MIB
+    assert local_tier.metric("kvtier_server_sent_bytes_total") == 1000 + MIB
+    assert local_tier.metric("kvtier_server_get_keys_total", result="miss") == 1
+    assert local_tier.metric("kvtier_local_connections") == 1
+    assert local_tier.metric("kvtier_local_leased_bytes") == 0  # released once copied
+    assert local_tier.metric("kvtier_ram_shared_used_bytes") >= MIB
+
+
+def test_the_socket_is_group_writable_and_only_that(local_tier: TierProcess) -> None:
+    mode = os.stat(local_tier.local_socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o660
+
+
+# -- concurrency: replace, evict, delete while clients read --------------------------------
+
+
+def test_readers_never_see_a_value_half_old_half_new_while_writers_replace_and_evict(
+    start_tier: Callable[..., TierProcess],
+) -> None:
+    tier = start_tier("--ram-bytes", "48MiB", "--disk-bytes", "0", "--incoming-bytes", "64MiB", "--max-value-bytes", "8MiB",
+        local_socket=True,
+)
+    keys = [b"k%d" % i for i in range(6)]
+    size = 3 * MIB
+    stop = threading.Event()
+    errors: list[str] = []
+    reads = [0]
+
+    def writer(n: int) -> None:
+        with TierClient(tier.target, local_socket=tier.local_socket, timeout_s=30, data_path="local") as c:
+            version = 0
+            while not stop.is_set():
+                version += 1
+                key = keys[version % len(keys)]
+                c.put([(key, bytes([n * 50 + version % 50]) * size)])  # one byte value, repeated
+                c.put([(b"filler-%d-%d" % (n, version), os.urandom(size))])  # pushes others out
+                if version % 7 == 0:
+                    c.delete([key])
+
+    def reader() -> None:
+        with TierClient(tier.target, local_socket=tier.local_socket, timeout_s=30, data_path="local") as c:
+            while not stop.is_set():
+                values = c.get(keys, stop_at_first_miss=False)
+                for got in values:
+                    if got is None:
+                        continue
+                    b = bytes(got)
+                    if len(b) != size or b.count(b[:1]) != size:
+                        errors.append(f"a value of {len(b)} bytes mixes {len(set(b))} versions")
+                    reads[0] += 1
+                c.recycle(values)  # later Gets copy into these buffers again
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(8)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    assert reads[0] > 0
+    assert tier.metric("kvtier_tier_evictions_total", tier="ram") > 0
+    assert tier.metric("kvtier_server_requests_total", op="LocalGet", code="INTERNAL") == 0
+
+
+def test_a_leased_value_keeps_its_bytes_while_it_is_replaced_deleted_and_its_memory_wanted(
+    start_tier: Callable[..., TierProcess],
+) -> None:
+    tier = start_tier("--ram-bytes", "32MiB", "--disk-bytes", "0", "--incoming-bytes", "32MiB", "--max-value-bytes", "8MiB",
+        local_socket=True,
+)
+    old = value(4 * MIB, 1)
+    with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
+        c.put([(b"k", old)])
+        with RawLocal(tier.local_socket, "") as raw:
+            _, (entry,) = raw.get([b"k"])
+            assert entry.place == Place.SHARED
+            c.put([(b"k", value(4 * MIB, 2))])  # replaced
+            c.delete([b"k"])  # and deleted
+            news = [value(4 * MIB, 10 + i) for i in range(20)]
+            for i, new in enumerate(news):  # and its memory wanted by 80 MiB of new values
+                c.put([(b"new%d" % i, new)])
+            assert raw.read(entry) == old  # the lease kept it whole
+            assert tier.metric("kvtier_local_leased_bytes") == 4 * MIB
+            raw.release()
+            assert wait_for(lambda: tier.metric("kvtier_local_leased_bytes") == 0)
+        assert as_bytes(c.get([b"new19"])) == [news[19]]
+        assert tier.metric("kvtier_tier_evictions_total", tier="ram") > 0
+
+
+def test_a_client_that_holds_a_lease_past_the_data_timeout_is_closed_before_its_lease_goes(
+    start_tier: Callable[..., TierProcess],
+) -> None:
+    tier = start_tier("--data-timeout", "1s", local_socket=True)
+    with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
+        c.put([(b"k", value(2 * MIB))])
+    with RawLocal(tier.local_socket, "") as raw:
+        raw.get([b"k"])  # and never releases
+        assert wait_for(raw.closed_by_tier, 10)
+    assert wait_for(lambda: tier.metric("kvtier_local_leased_bytes") == 0)
+    assert tier.metric("kvtier_local_lease_timeouts_total") == 1
+
+
+_HOLD_A_LEASE = """
+import sys, time
+from kvtier.testing.localraw import RawLocal
+raw = RawLocal(sys.argv[1], "")
+_, entries = raw.get([b"k"])
+raw.read(entries[0])[:1]  # mid-copy
+raw.stage(8 << 20)  # and a staging segment of its own
+print("leased", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_client_killed_mid_copy_leaks_no_lease_no_staging_and_no_memory(local_tier: TierProcess) -> None:
+    new = value(8 * MIB, 1)
+    with TierClient(local_tier.target, local_socket=local_tier.local_socket, data_path="local") as c:
+        c.put([(b"k", value(8 * MIB))])
+        used_before = local_tier.metric("kvtier_ram_shared_used_bytes")
+        incoming_before = local_tier.metric("kvtier_server_incoming_bytes")  # our own staging
+        child = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_A_LEASE, local_tier.local_socket], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "leased"
+            c.put([(b"k", new)])  # the leased value is replaced: its memory is still held
+            assert local_tier.metric("kvtier_local_leased_bytes") == 8 * MIB
+            assert local_tier.metric("kvtier_server_incoming_bytes") == incoming_before + 8 * MIB
+            assert local_tier.metric("kvtier_ram_shared_used_bytes") == used_before + 8 * MIB
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+        assert wait_for(lambda: local_tier.metric("kvtier_local_connections") == 1)  # only ours
+        assert local_tier.metric("kvtier_local_leased_bytes") == 0
+        assert local_tier.metric("kvtier_server_incoming_bytes") == incoming_before
+        assert local_tier.metric("kvtier_ram_shared_used_bytes") == used_before  # the old extent is free
+        assert as_bytes(c.get([b"k"])) == [new]
+
+
+# -- the tier's memory is the tier's --------------------------------------------------------
+
+
+def test_a_client_cannot_write_resize_or_punch_the_tier_segments_even_through_proc(
+    local_tier: TierProcess, client: TierClient
+) -> None:
+    import mmap
+
+    data = value(2 * MIB)
+    client.put([(b"k", data)])
+    with RawLocal(local_tier.local_socket, "") as raw:
+        _, (entry,) = raw.get([b"k"])
+        fd = raw.segment_fds[entry.segment]
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"x", entry.offset)  # read-only descriptor
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # opened again, read-write
+        try:
+            for attempt in (
+                lambda: os.pwrite(rw, b"x", entry.offset),
+                lambda: mmap.mmap(rw, entry.offset + entry.length),
+                lambda: os.ftruncate(rw, 0),
+                lambda: os.ftruncate(rw, 1 << 40),
+            ):
+                with pytest.raises(PermissionError):
+                    attempt()
+        finally:
+            os.close(rw)
+        assert raw.read(entry) == data
+        raw.release()
+    assert as_bytes(client.get([b"k"])) == [data]
+
+
+def test_a_client_that_shrinks_its_staging_segment_cannot_crash_the_tier(local_tier: TierProcess, client: TierClient) -> None:
+    with RawLocal(local_tier.local_socket, "") as raw:
+        reply, fd = raw.stage(4 * MIB)
+        assert reply.status == Status.OK and fd is not None
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        os.close(fd)
+    client.put([(b"still", b"up")])
+    assert as_bytes(client.get([b"still"])) == [b"up"]
+
+
+def test_a_connection_that_staged_and_closed_leaves_the_next_connection_alone(
+    local_tier: TierProcess,
+) -> None:
+    """The tier's copy of a staging descriptor is closed once: the number may belong to the
+    next connection's socket by the time the staging connection ends."""
+    first = RawLocal(local_tier.local_socket, "")
+    _, fd = first.stage(MIB)
+    assert fd is not None
+    os.close(fd)
+    with RawLocal(local_tier.local_socket, "") as second:  # likely given the freed number
+        first.close()
+        time.sleep(0.2)
+        second.request(Op.LOOKUP, lw.key_table([b"k"]), count=1)
+        assert second.reply().status == Status.OK
+    assert local_tier.proc is not None and local_tier.proc.poll() is None
+
+
+def test_a_put_whose_staged_bytes_do_not_match_its_checksum_stores_nothing_of_it(
+    local_tier: TierProcess, client: TierClient
+) -> None:
+    import mmap
+
+    good, bad = value(MIB, 1), value(MIB, 2)
+    with RawLocal(local_tier.local_socket, "") as raw:
+        _, fd = raw.stage(2 * MIB)
+        assert fd is not None
+        staging = mmap.mmap(fd, 2 * MIB)
+        staging[: MIB] = good
+        staging[MIB :] = bad
+        reply = raw.put([(b"good", 0, MIB, lw.checksum(good)), (b"bad", MIB, MIB, lw.checksum(good))])
+        assert reply.status == Status.INVALID_ARGUMENT and reply.count == 1
+        assert "LocalPut.values[1].checksum" in reply.text
+        reply = raw.put([(b"outside", MIB, 2 * MIB, 0)])
+        assert reply.status == Status.INVALID_ARGUMENT and "outside the staging segment" in reply.text
+        staging.close()
+        os.close(fd)
+    assert as_bytes(client.get([b"good", b"bad", b"outside"], stop_at_first_miss=False)) == [good, None, None]
+
+
+# -- limits, bad input, auth, tenants ----------------------------------------------------------
+
+
+def test_limits_are_refused_naming_the_field(client: TierClient) -> None:
+    with pytest.raises(TierRejected, match=r"RESOURCE_EXHAUSTED: LocalGet.count: 65 keys .* \(--max-keys\)"):
+        client.get([b"k%d" % i for i in range(65)])
+    with pytest.raises(TierRejected, match=r"RESOURCE_EXHAUSTED: LocalPut.values\[1\].length: .* \(--max-value-bytes\)"):
+        client.put([(b"small", b"s"), (b"huge", bytes((80 << 20) + 1))])
+    with pytest.raises(TierRejected, match=r"INVALID_ARGUMENT: LocalPut.keys\[0\]: key of 257 bytes"):
+        client.put([(b"k" * 257, b"v")])
+    with pytest.raises(TierRejected, match=r"INVALID_ARGUMENT: LocalLookup.keys\[1\]: key of 0 bytes"):
+        client.lookup([b"a", b""])
+    assert client.put([(b"after", b"ok")]) == 1
+    assert client.get([b"huge"]) == [None]
+
+
+def test_garbage_gets_an_error_reply_and_the_tier_keeps_serving(local_tier: TierProcess, client: TierClient) -> None:
+    with RawLocal(local_tier.local_socket) as raw:
+        raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = raw.reply()
+        assert reply.status == Status.INVALID_ARGUMENT and "bad magic" in reply.text
+        assert wait_for(raw.closed_by_tier, 5)
+    with RawLocal(local_tier.local_socket) as raw:
+        raw.send(lw.REQUEST.pack(lw.MAGIC, lw.VERSION, 99, 0, 0, 0))
+        reply = raw.reply()
+        assert reply.status == Status.INVALID_ARGUMENT and "unknown op 99" in reply.text
+    with RawLocal(local_tier.local_socket) as raw:
+        raw.request(Op.GET, b"\x02\x00ab", count=3)
+        reply = raw.reply()
+        assert reply.status == Status.INVALID_ARGUMENT and "LocalGet.table: ends inside key 1 of 3" in reply.text
+        raw.request(Op.STAGE, b"\x00" * 8)
+        assert raw.reply().status == Status.INVALID_ARGUMENT
+        raw.request(Op.LOOKUP, lw.key_table([b"still"]), count=1)
+        assert raw.reply().status == Status.OK  # the connection stayed usable
+    client.put([(b"still", b"up")])
+    assert as_bytes(client.get([b"still"])) == [b"up"]
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalInvalid", code="INVALID_ARGUMENT") == 2
+
+
+def test_tenants_are_isolated_and_a_missing_or_unknown_token_is_unauthenticated(
+    start_tier: Callable[..., TierProcess], tokens_dir: Path
+) -> None:
+    tier = start_tier("--auth-tokens", str(tokens_dir), local_socket=True)
+    path = tier.local_socket
+    with (
+        TierClient(tier.target, local_socket=path, token=TOKEN_A, data_path="local") as a,
+        TierClient(tier.target, local_socket=path, token=TOKEN_B, data_path="local") as b,
+    ):
+        a.put([(b"prefix", value(MIB))])
+        assert a.lookup([b"prefix"]) == 1 and b.lookup([b"prefix"]) == 0
+        assert b.get([b"prefix"]) == [None]
+        assert a.stats().tenant == "team-a" and b.stats().tenant == "team-b"
+    for token in (None, "x" * 40):
+        with (
+            TierClient(tier.target, local_socket=path, token=token, data_path="local") as no,
+            pytest.raises(TierRejected, match="UNAUTHENTICATED"),
+        ):
+            no.get([b"prefix"])
+    with RawLocal(path) as raw:  # no HELLO: no tenant
+        raw.request(Op.GET, lw.key_table([b"k"]), count=1)
+        reply = raw.reply()
+        assert reply.status == Status.UNAUTHENTICATED and "missing 'authorization" in reply.text
+        assert wait_for(raw.closed_by_tier, 5)
+
+
+def test_a_token_revoked_while_connected_stops_working_at_once(
+    start_tier: Callable[..., TierProcess], tokens_dir: Path
+) -> None:
+    tier = start_tier("--auth-tokens", str(tokens_dir), local_socket=True)
+    with TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local") as b:
+        b.put([(b"k", b"v")])
+        (tokens_dir / "team-b").unlink()
+        assert wait_for(lambda: _refused(b), 15)
+
+
+def _refused(client: TierClient) -> bool:
+    try:
+        client.lookup([b"k"])
+    except TierRejected as exc:
+        return "UNAUTHENTICATED" in str(exc)
+    return False
+
+
+# -- the socket file and the tier's lifetime -----------------------------------------------------
+
+
+def test_a_tier_restarted_under_a_client_is_used_again_through_its_new_socket(local_tier: TierProcess) -> None:
+    data = value(2 * MIB)
+    with TierClient(local_tier.target, local_socket=local_tier.local_socket, timeout_s=10) as c:
+        c.put([(b"k", data)])
+        assert wait_for(lambda: local_tier.metric("kvtier_tier_entries", tier="disk") == 1)
+        local_tier.restart()  # SIGKILL: the old socket file stays behind, the new tier replaces it
+        got: list[bytes | None] = []
+
+        def answered() -> bool:
+            try:
+                got[:] = as_bytes(c.get([b"k"]))
+            except TierUnavailable:
+                return False
+            return True
+
+        assert wait_for(answered, 20)
+        assert got == [data]  # the disk tier kept it; served again
+        assert c.transport == "local"
+    assert "Traceback" not in local_tier.log.read_text()
+
+
+def test_a_socket_path_held_by_a_live_tier_or_another_file_is_refused(
+    local_tier: TierProcess, start_tier: Callable[..., TierProcess], tmp_path: Path
+) -> None:
+    with pytest.raises(RuntimeError, match=r"another process .* listens on"):
+        start_tier("--local-socket", local_tier.local_socket)
+    other = Path(local_tier.local_socket).with_name("plain-file")
+    other.write_text("not a socket")
+    with pytest.raises(RuntimeError, match="exists and is not a socket"):
+        start_tier("--local-socket", str(other))
+    with pytest.raises(RuntimeError, match=r"--local-socket .*\(107 bytes\)"):
+        start_tier("--local-socket", "/tmp/" + "x" * 120)
+
+
+def test_a_stopped_tier_removes_its_socket_file(start_tier: Callable[..., TierProcess]) -> None:
+    tier = start_tier(local_socket=True)
+    assert os.path.exists(tier.local_socket)
+    assert tier.terminate() == 0
+    assert not os.path.exists(tier.local_socket)

@@ -1,0 +1,112 @@
+"""Loads and saves under deliberate CPU contention (issue 21, defect 1).
+
+A loaded machine deschedules every thread at arbitrary points: the engine between
+receiving a chunk and copying it into the KV cache, the background sender while it
+encodes a chunk copied out of the KV cache, the tier while it sends a value that a Put
+is replacing. Whatever the interleaving, an engine must hand vLLM exactly the KV another
+engine saved, or recompute.
+
+Two engine processes share one tier, over its data port: A stores zstd chunks and B raw
+ones, and each loads what the other saved. The saving engine's run of a prompt is a
+no-cache run (nothing of it is in the tier yet): the reference for the loading run.
+Chunks are 2,048 tokens of the 2-layer model, 1 MiB raw, so both ends receive values
+into recycled buffers: an engine loading raw chunks into buffers of chunks it loaded
+before, the tier (24 MiB of RAM, so it evicts all the time) into buffers of values it
+evicted. Busy processes, two per CPU, compete with the engines and the tier for every
+round; each round sends a batch of prompts (several loads and saves in the same steps)
+in one direction, the next round in the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.contention import busy_count, busy_cpus
+from kvtier.testing.engine import EngineProcess, Output
+from kvtier.testing.redisprocs import free_port
+from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.tinymodels import prompt_text
+from tests.e2e.conftest import RELAXED
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 2048  # 2 layers x 2,048 tokens x 1 KV head x 128 x 2 bytes: 1 MiB a chunk
+PROMPT_WORDS = 2250  # about 6,500 tokens: 3 full chunks, then a partial one
+FULL_CHUNKS = 3
+PROMPTS_PER_ROUND = 3
+ROUNDS = 6
+ENGINE_ARGS = {"max_model_len": 8192}
+
+
+@pytest.fixture(scope="module")
+def tier(module_dir: Path) -> Iterator[TierProcess]:
+    tier = TierProcess.start(
+        module_dir / "tier", "--data-port", str(free_port()), "--ram-bytes", "24MiB"
+    )
+    yield tier
+    tier.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(
+    text_model: Path, tier: TierProcess, start_engine: Callable[..., EngineProcess]
+) -> tuple[EngineProcess, EngineProcess]:
+    """A (zstd) and B (raw)."""
+    config = {"target": tier.target, "chunk_size": CHUNK, **RELAXED}
+    a = start_engine(
+        text_model, name="a", extra_config={**config, "codec": "zstd"},
+        llm_kwargs=ENGINE_ARGS, wait=False,
+    )  # fmt: skip
+    b = start_engine(
+        text_model, name="b", extra_config={**config, "codec": "raw"},
+        llm_kwargs=ENGINE_ARGS, wait=False,
+    )  # fmt: skip
+    a.wait_ready()
+    b.wait_ready()
+    return a, b
+
+
+def prompts(round_: int) -> list[dict[str, str]]:
+    return [
+        {"prompt": prompt_text(PROMPT_WORDS, seed=1000 * round_ + i)}
+        for i in range(PROMPTS_PER_ROUND)
+    ]
+
+
+def tokens(outputs: list[Output]) -> list[list[int]]:
+    return [o.token_ids for o in outputs]
+
+
+def test_engines_under_cpu_contention_load_every_chunk_with_the_no_cache_output(
+    engines: tuple[EngineProcess, EngineProcess], tier: TierProcess
+) -> None:
+    a, b = engines
+    with busy_cpus(busy_count(per_cpu=2)):
+        for round_ in range(ROUNDS):
+            saver, loader = (a, b) if round_ % 2 == 0 else (b, a)
+            batch = prompts(round_)
+            saved = saver.generate(batch)  # the no-cache run
+            saver.flush()
+            before = loader.stats()
+            loaded = loader.generate(batch)
+            after = loader.stats()
+
+            assert all(o.num_cached_tokens == 0 for o in saved)
+            assert all(o.num_prompt_tokens > FULL_CHUNKS * CHUNK for o in saved)
+            assert tokens(loaded) == tokens(saved), f"round {round_}: the loading run"
+            assert all(o.num_cached_tokens == FULL_CHUNKS * CHUNK for o in loaded)
+            assert after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0) == (
+                FULL_CHUNKS * PROMPTS_PER_ROUND
+            ), f"round {round_}: every full chunk is loaded, none recomputed"
+            assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
+
+    # The recycling paths ran: A received B's raw chunks (all one size) into buffers given
+    # back by its earlier loads, and the tier received Puts into buffers of values it
+    # evicted. (A's zstd chunks differ in size and are under 1 MiB: B allocates for them.)
+    assert a.receive_buffers()["reused"] > 0
+    assert tier.metric("kvtier_ram_recycled_buffers_reused_total") > 0
+    for engine in (a, b):
+        assert not [k for k, v in engine.stats().items() if k.startswith("corrupt_chunks") and v]
