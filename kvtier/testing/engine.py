@@ -186,10 +186,11 @@ class EngineProcess:
         )
         return result
 
-    def last_chunk_keys(self) -> list[bytes]:
-        """The chunk keys (rank 0) of the last request this engine's connector keyed, as
-        stored in the tier (multimodal spans substituted)."""
-        return [bytes.fromhex(k) for k in self.call({"cmd": "last_chunk_keys"})]
+    def last_chunk_keys(self, group: int = 0) -> list[bytes]:
+        """The chunk keys (rank 0, KV cache group ``group`` of ``kv_cache_groups()``) of
+        the last request this engine's connector keyed, as stored in the tier (multimodal
+        spans substituted)."""
+        return [bytes.fromhex(k) for k in self.call({"cmd": "last_chunk_keys", "group": group})]
 
     def receive_buffers(self) -> dict[str, int]:
         """The worker's tier client's receive buffers: ``reused`` (Get values received into

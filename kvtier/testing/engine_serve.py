@@ -106,19 +106,20 @@ def _count_encoder_calls(llm: Any) -> None:
 _LLM: Any = None
 
 
-_LAST_KEYS: list[bytes] = []
+_LAST_KEYS: list[list[bytes]] = []  # per chunk, per KV cache group (rank 0)
 
 
 def _record_chunk_keys() -> None:
-    """Remember the chunk keys (rank 0) of the last request the KV connector keyed, so a
-    test can reach a multimodal prompt's chunks in the tier (``last_chunk_keys``)."""
+    """Remember the chunk keys (rank 0, every KV cache group) of the last request the KV
+    connector keyed, so a test can reach a multimodal prompt's chunks in the tier
+    (``last_chunk_keys``)."""
     scheduler = _scheduler_connector().scheduler
     keys_of = scheduler._keys
 
     def recorded(request: Any) -> Any:
         keys = keys_of(request)
         if keys:
-            _LAST_KEYS[:] = [k[0][0] for k in keys]  # the first KV cache group's, rank 0
+            _LAST_KEYS[:] = [[group[0] for group in k] for k in keys]
         return keys
 
     scheduler._keys = recorded
@@ -319,7 +320,7 @@ def _command(message: dict[str, Any]) -> Any:
     if cmd == "kv_blocks":
         return _kv_blocks(message["prompt"], message["max_tokens"])
     if cmd == "last_chunk_keys":
-        return [k.hex() for k in _LAST_KEYS]
+        return [k[message.get("group", 0)].hex() for k in _LAST_KEYS]
     if cmd == "receive_buffers":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

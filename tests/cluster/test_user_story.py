@@ -57,6 +57,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.vllm]
 
 CLUSTER_IMAGES = ("kvtier-server", "kvtier-operator", "vllm-kvtier")
 TEXT, SEED = prompt_text(400, seed=7), 7  # ~1000 prompt tokens: several 256-token chunks
+OTHER_TEXT = prompt_text(400, seed=8)  # another prompt, sent only around the tier's restart
 READY_S = 1500  # an engine pod on the slower machine kind, loaded (ENVIRONMENT.md)
 SCRAPE = "2s"
 
@@ -547,6 +548,21 @@ def _hit_after(t: float) -> Any:
     return lambda sent: any(x.at > t and x.answer and x.answer.cached_tokens >= 256 for x in sent)
 
 
+def _settled_hit(url: str) -> Any:
+    """A probe sending OTHER_TEXT: its answer once two in a row loaded the same number of
+    tokens (at least a chunk) from the tier (the engine saves a request's chunks after its
+    reply)."""
+    last = [-1]
+
+    def probe() -> Any:
+        answer = chat(url, MODEL, OTHER_TEXT, SEED)
+        settled = answer.cached_tokens >= 256 and answer.cached_tokens == last[0]
+        last[0] = answer.cached_tokens
+        return answer if settled else None
+
+    return probe
+
+
 def _all_answered_alike(s: Story, traffic: Traffic) -> None:
     failed = [x.error for x in traffic.sent if x.answer is None]
     assert not failed, f"{len(failed)} of {len(traffic.sent)} requests failed: {failed[:3]}"
@@ -556,10 +572,24 @@ def _all_answered_alike(s: Story, traffic: Traffic) -> None:
 def test_the_tier_pod_deleted_mid_traffic_every_request_answers_and_hits_resume_from_its_disk(
     s: Story,
 ) -> None:
+    """Traffic runs through the tier pod's deletion: every request answers alike, recomputed
+    while the tier is away, hits once it is back. The new pod starts with the disk tier its
+    claim kept: a request sent only before the fault (so nothing put its chunks again into
+    the new pod's empty RAM) hits, read from the disk and promoted to RAM. (The traffic's
+    own hits after the fault may come from RAM: a recomputed request can store its chunks
+    again before the next one reads them.)"""
     (tier,) = s.ready_pods(TIER_SELECTOR)
+    url = s.service_url()
+    disk_only = chat(url, MODEL, OTHER_TEXT, SEED)
+    again = s.cluster.eventually("the other prompt held whole by the tier", _settled_hit(url))
+    assert again.text == disk_only.text
+    s.cluster.eventually(  # the write-behind queue drained: its chunks are on the disk too
+        "the tier's write-behind queue empty",
+        lambda: _metrics(tier, story.TIER_METRICS_PORT).get("kvtier_write_behind_queue_depth") == 0,
+    )
     held = _metrics(tier, story.TIER_METRICS_PORT).get("kvtier_tier_entries", tier="disk")
     assert held > 0
-    with Traffic(s.service_url(), TEXT, SEED) as traffic:
+    with Traffic(url, TEXT, SEED) as traffic:
         traffic.wait_for("a hit before the fault", _hit_after(0), timeout_s=300)
         gone = time.time()
         s.cluster.kubectl("delete", "pod", tier["metadata"]["name"], "-n", NS, "--wait=false")
@@ -575,10 +605,16 @@ def test_the_tier_pod_deleted_mid_traffic_every_request_answers_and_hits_resume_
     assert recovered.get("kvtier_tier_entries", tier="ram") == 0
     log = s.cluster.kubectl("logs", new["metadata"]["name"], "-n", NS).stdout
     assert int(re.search(r"disk tier at /var/lib/kvtier: (\d+) entries", log).group(1)) >= held  # type: ignore[union-attr]
-    # ... and the first hits after it came from the disk (RAM was empty), promoted to RAM.
-    after = _metrics(new, story.TIER_METRICS_PORT)
-    assert after.get("kvtier_tier_hits_total", tier="disk") >= 1
-    assert after.get("kvtier_tier_promotions_total", tier="ram") >= 1
+    # ... and the request sent only before the fault hits as before, read from the disk (the
+    # new pod's RAM never held it) and promoted to RAM.
+    hits = _metrics(new, story.TIER_METRICS_PORT)
+    after = chat(url, MODEL, OTHER_TEXT, SEED)
+    assert after.cached_tokens == again.cached_tokens and after.text == disk_only.text
+    counted = _metrics(new, story.TIER_METRICS_PORT)
+    disk_hits = counted.get("kvtier_tier_hits_total", tier="disk")
+    assert disk_hits - hits.get("kvtier_tier_hits_total", tier="disk") >= 1
+    promoted = counted.get("kvtier_tier_promotions_total", tier="ram")
+    assert promoted - hits.get("kvtier_tier_promotions_total", tier="ram") >= 1
 
 
 def test_an_engine_pod_deleted_its_replacements_first_repeat_is_a_tier_hit(s: Story) -> None:

@@ -101,6 +101,22 @@ def test_other_item_with_same_text_reuses_only_chunks_before_it(engines: Engines
     assert other.token_ids == reference.token_ids
 
 
+def loads_before(groups: list[dict[str, Any]], end: int, chunk: int, group: int) -> int:
+    """Objects a hit of ``end`` tokens loads before ``group``'s object of ``chunk``, in
+    the connector's order (chunk by chunk, group by group): a full-attention group loads
+    every chunk, a sliding-window group only chunks from token ``end - window + 1`` on
+    (vLLM keeps nothing of it before)."""
+    count = 0
+    for c in range(chunk + 1):
+        for g, spec in enumerate(groups):
+            if c == chunk and g == group:
+                return count
+            window = spec["sliding_window"]
+            first_kept = max(0, end - window + 1) if window else 0
+            count += first_kept // spec["block_size"] * spec["block_size"] < (c + 1) * CHUNK
+    raise AssertionError(f"no group {group}")
+
+
 def test_item_chunk_failing_its_load_is_recomputed_with_the_encoder_output_from_the_tier(
     engines: Engines, recipes_tier: TierProcess
 ) -> None:
@@ -115,7 +131,10 @@ def test_item_chunk_failing_its_load_is_recomputed_with_the_encoder_output_from_
     assert saved.num_cached_tokens == 0
     a.flush()
     a.ec_flush()
-    item_chunk = a.last_chunk_keys()[1]
+    # A full-attention group's object: a sliding window's group may not load chunk 1 at all.
+    groups = b.kv_cache_groups()["groups"]
+    full = next(g for g, spec in enumerate(groups) if spec["sliding_window"] is None)
+    item_chunk = a.last_chunk_keys(full)[1]
     with TierClient(recipes_tier.target) as client:
         blob = bytearray(client.get([item_chunk])[0] or b"")
         blob[-100] ^= 0xFF
@@ -126,7 +145,11 @@ def test_item_chunk_failing_its_load_is_recomputed_with_the_encoder_output_from_
 
     after = b.stats()
     assert loaded.token_ids == saved.token_ids
-    assert after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0) == 1  # chunk 0
+    # Loads stop at the corrupt object: what came before it loaded (chunk 0 of each group
+    # that keeps it, with one group: chunk 0 alone).
+    end = min(loaded.num_prompt_tokens // CHUNK * CHUNK, loaded.num_prompt_tokens - 1)
+    loaded_chunks = after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0)
+    assert loaded_chunks == loads_before(groups, end, chunk=1, group=full)
     assert after.get("corrupt_chunks:checksum", 0) - before.get("corrupt_chunks:checksum", 0) == 1
     assert b.ec_stats().get("hits", 0) == ec_before.get("hits", 0) + 1
 
