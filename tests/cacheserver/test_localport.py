@@ -458,7 +458,12 @@ def test_a_tier_restarted_under_a_client_is_used_again_through_its_new_socket(lo
     data = value(2 * MIB)
     with TierClient(local_tier.target, local_socket=local_tier.local_socket, timeout_s=10) as c:
         c.put([(b"k", data)])
-        assert wait_for(lambda: local_tier.metric("kvtier_tier_entries", tier="disk") == 1)
+        # On disk: indexed, and its write-behind put (which returns once the file is in
+        # place) done; the index counts a key from the start of its write.
+        assert wait_for(
+            lambda: local_tier.metric("kvtier_tier_entries", tier="disk") == 1
+            and local_tier.metric("kvtier_write_behind_queue_depth") == 0
+        )
         local_tier.restart()  # SIGKILL: the old socket file stays behind, the new tier replaces it
         got: list[bytes | None] = []
 
