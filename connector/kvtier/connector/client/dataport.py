@@ -12,10 +12,8 @@ call has a deadline: each socket operation gets the time left.
 Errors: ``TransportUnreachable`` when no connection can be opened (the client
 may fall back to gRPC); otherwise ``TierUnavailable`` (transport failure, deadline,
 a server-side failure) or ``TierRejected`` (the tier refused the call), with
-the same status names as the gRPC path. A socket that failed is closed, never
-reused. A pooled socket that the tier closed while idle (``--data-timeout``)
-is replaced by a new one and the call tried once more (GET and PUT are
-idempotent).
+the same status names as the gRPC path (``kvtier.connector.client.pool``: the
+connections and the error mapping both socket transports share).
 """
 
 from __future__ import annotations
@@ -23,24 +21,19 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
-from kvtier.connector.client.codes import code_name, tier_error
+from kvtier.connector.client.codes import code_name
+from kvtier.connector.client.pool import MAX_IDLE, ConnectionPool, Deadline, Refused
 from kvtier.connector.client.transport import Items, Transport, TransportUnreachable, Values
-from kvtier.connector.errors import TierRejected, TierUnavailable
+from kvtier.connector.errors import TierRejected
 from kvtier.proto import cache_pb2
 from kvtier.proto import datawire as dw
 from kvtier.proto.buffers import ReceiveBuffers
 from kvtier.proto.datawire import Op, Status
 
-T = TypeVar("T")
-MAX_IDLE = 4
-CONNECT_TIMEOUT_S = 1.0
 _IOV_MAX = 512
 
 
@@ -54,25 +47,6 @@ def tls_context(
     return context
 
 
-class _Deadline:
-    def __init__(self, timeout_s: float) -> None:
-        self.end = time.monotonic() + timeout_s
-
-    def arm(self, sock: socket.socket) -> None:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline exceeded")
-        sock.settimeout(left)
-
-
-class _Refused(Exception):
-    """The tier answered a request with an error status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -82,7 +56,7 @@ class _Conn:
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def recv_into(self, view: memoryview, deadline: _Deadline) -> None:
+    def recv_into(self, view: memoryview, deadline: Deadline) -> None:
         got, n = 0, view.nbytes
         while got < n:
             deadline.arm(self.sock)
@@ -91,12 +65,12 @@ class _Conn:
                 raise ConnectionError("the tier closed the data connection")
             got += k
 
-    def recv(self, n: int, deadline: _Deadline) -> bytearray:
+    def recv(self, n: int, deadline: Deadline) -> bytearray:
         buf = bytearray(n)
         self.recv_into(memoryview(buf), deadline)
         return buf
 
-    def send(self, buffers: Sequence[Buffer], deadline: _Deadline) -> None:
+    def send(self, buffers: Sequence[Buffer], deadline: Deadline) -> None:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         if self.tls:  # SSLSocket has no sendmsg
             for v in views:
@@ -112,8 +86,8 @@ class _Conn:
             if views and sent:
                 views[0] = views[0][sent:]
 
-    def reply(self, op: Op, deadline: _Deadline) -> tuple[int, int, str]:
-        """Reads a reply; returns (count, extra, text), or raises _Refused for an error status."""
+    def reply(self, op: Op, deadline: Deadline) -> tuple[int, int, str]:
+        """Reads a reply; returns (count, extra, text), or raises Refused for an error status."""
         magic, version, _op, status, count, extra, text_len = dw.REPLY.unpack(
             self.recv(dw.REPLY.size, deadline)
         )
@@ -123,11 +97,11 @@ class _Conn:
             )
         text = self.recv(text_len, deadline).decode(errors="replace") if text_len else ""
         if status != Status.OK:
-            raise _Refused(status, text)
+            raise Refused(status, text)
         return count, extra, text
 
 
-class DataPortTransport:
+class DataPortTransport(ConnectionPool[_Conn]):
     name = "data"
 
     def __init__(
@@ -143,23 +117,14 @@ class DataPortTransport:
     ) -> None:
         """``control``: the transport of Lookup, Delete and Stats (the client's gRPC one).
         ``authorization``: the HELLO of every new connection ("Bearer <token>")."""
+        super().__init__(max_idle)
         self.host = host
         self._control = control
         self.buffers = buffers if buffers is not None else ReceiveBuffers(0)
         self.port = port
+        self.where = f"data port {host}:{port}"
         self.authorization = authorization
         self.context = context
-        self.max_idle = max_idle
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
 
     # -- calls ----------------------------------------------------------------------
 
@@ -177,7 +142,7 @@ class DataPortTransport:
         table = dw.get_table(list(keys))
         request = dw.request(Op.GET, len(keys), len(table), flags)
 
-        def call(conn: _Conn, deadline: _Deadline) -> Values:
+        def call(conn: _Conn, deadline: Deadline) -> Values:
             conn.send([request, table], deadline)
             count, _, _ = conn.reply(Op.GET, deadline)
             out: Values = []
@@ -201,7 +166,7 @@ class DataPortTransport:
         request = dw.request(Op.PUT, len(items), len(table))
         values = [p for _, parts in items for p in parts]
 
-        def call(conn: _Conn, deadline: _Deadline) -> int:
+        def call(conn: _Conn, deadline: Deadline) -> int:
             conn.send([request, table], deadline)
             conn.reply(Op.PUT, deadline)  # the tier accepts the keys and sizes: send the bytes
             conn.send(values, deadline)
@@ -212,51 +177,9 @@ class DataPortTransport:
 
     # -- connections ----------------------------------------------------------------
 
-    def _call(self, op: str, fn: Callable[[_Conn, _Deadline], T], timeout_s: float) -> T:
-        deadline = _Deadline(timeout_s)
-        for attempt in (0, 1):
-            conn, reused = self._acquire(deadline)
-            try:
-                result = fn(conn, deadline)
-            except _Refused as exc:
-                conn.close()  # the tier may close after an error: never reuse
-                raise tier_error(op, code_name(exc.status), str(exc)) from exc
-            except TimeoutError as exc:
-                conn.close()
-                raise TierUnavailable(
-                    f"{op}: DEADLINE_EXCEEDED: no answer from the data port within {timeout_s:g}s"
-                ) from exc
-            except (OSError, ConnectionError) as exc:
-                conn.close()
-                if reused and attempt == 0:
-                    continue  # the tier closed this idle socket: once more on a new one
-                raise TierUnavailable(
-                    f"{op}: UNAVAILABLE: data port {self.host}:{self.port}: {exc}"
-                ) from exc
-            except BaseException:
-                conn.close()
-                raise
-            self._release(conn)
-            return result
-        raise AssertionError("unreachable")
-
-    def _acquire(self, deadline: _Deadline) -> tuple[_Conn, bool]:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
-        return self._connect(deadline), False
-
-    def _release(self, conn: _Conn) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self.max_idle:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _connect(self, deadline: _Deadline) -> _Conn:
-        left = max(0.001, min(CONNECT_TIMEOUT_S, deadline.end - time.monotonic()))
+    def _connect(self, deadline: Deadline) -> _Conn:
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=left)
+            sock = socket.create_connection((self.host, self.port), timeout=deadline.connect_timeout())
         except OSError as exc:
             raise TransportUnreachable(
                 f"cannot connect to the data port {self.host}:{self.port}: {exc}"
@@ -269,7 +192,7 @@ class DataPortTransport:
             auth = (self.authorization or "").encode()
             conn.send([dw.request(Op.HELLO, 0, len(auth)), auth], deadline)
             conn.reply(Op.HELLO, deadline)
-        except _Refused as exc:
+        except Refused as exc:
             sock.close()
             raise TierRejected(
                 f"DataHello: {code_name(exc.status)}: {exc}", code_name(exc.status)

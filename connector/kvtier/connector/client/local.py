@@ -20,9 +20,9 @@ half's values the client writes the next values into the other.
 
 Errors as ``DataPortTransport``'s: ``TransportUnreachable`` when the socket cannot be
 connected (no file, nobody listening, no permission: another transport may serve),
-else ``TierUnavailable`` or ``TierRejected`` with gRPC's code names. A connection that
-failed is closed, never reused; a pooled one the tier closed while idle is replaced
-and the call tried once more (every call is idempotent).
+else ``TierUnavailable`` or ``TierRejected`` with gRPC's code names
+(``kvtier.connector.client.pool``: the connections and the error mapping both socket
+transports share).
 """
 
 from __future__ import annotations
@@ -32,52 +32,23 @@ import contextlib
 import mmap
 import os
 import socket
-import threading
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
-from kvtier.connector.client.codes import code_name, tier_error
+from kvtier.connector.client.codes import code_name
+from kvtier.connector.client.pool import MAX_IDLE, Broken, ConnectionPool, Deadline, Refused
 from kvtier.connector.client.transport import Items, TransportUnreachable, Values
-from kvtier.connector.errors import TierRejected, TierUnavailable
+from kvtier.connector.errors import TierRejected
 from kvtier.proto import cache_pb2
 from kvtier.proto import localwire as lw
 from kvtier.proto.buffers import ReceiveBuffers
 from kvtier.proto.localwire import Op, Place, Status
 
-T = TypeVar("T")
-MAX_IDLE = 4
-CONNECT_TIMEOUT_S = 1.0
 STAGING_ROUND = 1 << 20
 PIPELINE_BYTES = 16 << 20  # what a Put request carries at most when its values are smaller
 _ANCILLARY = socket.CMSG_SPACE(lw.MAX_FDS * array.array("i").itemsize)
-
-
-class _Deadline:
-    def __init__(self, timeout_s: float) -> None:
-        self.end = time.monotonic() + timeout_s
-
-    def arm(self, sock: socket.socket) -> None:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline exceeded")
-        sock.settimeout(left)
-
-
-class _Refused(Exception):
-    """The tier answered a request with an error status."""
-
-    def __init__(self, status: int, message: str, count: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-        self.count = count
-
-
-class _Broken(Exception):
-    """The connection cannot be trusted any more (closed under a lease, a bad checksum)."""
 
 
 class _Staging:
@@ -112,7 +83,7 @@ class _Conn:
             _unmap(self.staging.view)
             self.staging = None
 
-    def recv_into(self, view: memoryview, deadline: _Deadline) -> None:
+    def recv_into(self, view: memoryview, deadline: Deadline) -> None:
         got, n = 0, view.nbytes
         while got < n:
             deadline.arm(self.sock)
@@ -128,18 +99,18 @@ class _Conn:
                 raise ConnectionError("the tier closed the local connection")
             got += k
 
-    def recv(self, n: int, deadline: _Deadline) -> bytearray:
+    def recv(self, n: int, deadline: Deadline) -> bytearray:
         buf = bytearray(n)
         self.recv_into(memoryview(buf), deadline)
         return buf
 
-    def send(self, data: Sequence[Buffer], deadline: _Deadline) -> None:
+    def send(self, data: Sequence[Buffer], deadline: Deadline) -> None:
         for part in data:
             deadline.arm(self.sock)
             self.sock.sendall(part)
 
-    def reply(self, op: Op, deadline: _Deadline) -> tuple[int, int, str]:
-        """Reads a reply header and text; returns (count, extra, text) or raises _Refused."""
+    def reply(self, op: Op, deadline: Deadline) -> tuple[int, int, str]:
+        """Reads a reply header and text; returns (count, extra, text) or raises Refused."""
         magic, version, _op, status, count, extra, text_len = lw.REPLY.unpack(
             self.recv(lw.REPLY.size, deadline)
         )
@@ -147,10 +118,10 @@ class _Conn:
             raise ConnectionError(f"not a kvtier local reply (magic {magic!r}, version {version})")
         text = self.recv(text_len, deadline).decode(errors="replace") if text_len else ""
         if status != Status.OK:
-            raise _Refused(status, text, count)
+            raise Refused(status, text, count)
         return count, extra, text
 
-    def map_segments(self, n: int, deadline: _Deadline) -> None:
+    def map_segments(self, n: int, deadline: Deadline) -> None:
         """Maps the ``n`` segments a reply handed over (their records, then their fds)."""
         records = self.recv(n * lw.SEGMENT.size, deadline)
         for i in range(n):
@@ -189,7 +160,7 @@ def _unmap(view: memoryview) -> None:
             mapped.close()
 
 
-class LocalTransport:
+class LocalTransport(ConnectionPool[_Conn]):
     name = "local"
 
     def __init__(
@@ -202,25 +173,16 @@ class LocalTransport:
     ) -> None:
         """``path``: the tier's Unix socket (``--local-socket``). ``authorization``: the
         HELLO of every new connection ("Bearer <token>")."""
+        super().__init__(max_idle)
         self.path = path
+        self.where = f"local socket {path}"
         self.authorization = authorization
         self.buffers = buffers if buffers is not None else ReceiveBuffers(0)
-        self.max_idle = max_idle
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
 
     def connect(self, *, timeout_s: float) -> None:
         """Opens one connection now (kept for the next call); raises TransportUnreachable
         when nothing answers on the socket, TierRejected when the tier refuses the token."""
-        self._release(self._connect(_Deadline(timeout_s)))
+        self._release(self._connect(Deadline(timeout_s)))
 
     # -- calls ----------------------------------------------------------------------
 
@@ -231,7 +193,7 @@ class LocalTransport:
         return self._keys_call("Delete", Op.DELETE, keys, timeout_s)
 
     def stats(self, *, timeout_s: float) -> cache_pb2.StatsResponse:
-        def call(conn: _Conn, deadline: _Deadline) -> cache_pb2.StatsResponse:
+        def call(conn: _Conn, deadline: Deadline) -> cache_pb2.StatsResponse:
             conn.send([lw.request(Op.STATS)], deadline)
             _, size, _ = conn.reply(Op.STATS, deadline)
             return cache_pb2.StatsResponse.FromString(bytes(conn.recv(size, deadline)))
@@ -243,7 +205,7 @@ class LocalTransport:
         table = lw.key_table(list(keys))
         request = lw.request(Op.GET, len(keys), len(table), flags)
 
-        def call(conn: _Conn, deadline: _Deadline) -> Values:
+        def call(conn: _Conn, deadline: Deadline) -> Values:
             conn.send([request, table], deadline)
             count, segments, _ = conn.reply(Op.GET, deadline)
             conn.map_segments(segments, deadline)
@@ -266,10 +228,10 @@ class LocalTransport:
                 out.append(buf.toreadonly())
             for i, (buf, source, crc) in enumerate(shared):
                 if lw.copy_checked(buf, source) != crc:
-                    raise _Broken(f"value {i} of the Get failed its checksum after the copy")
+                    raise Broken(f"value {i} of the Get failed its checksum after the copy")
             if shared:
                 if not conn.still_open():
-                    raise _Broken("the tier ended this connection's lease during the copy")
+                    raise Broken("the tier ended this connection's lease during the copy")
                 conn.send([lw.request(Op.RELEASE)], deadline)
             return out
 
@@ -279,7 +241,7 @@ class LocalTransport:
         values = [(key, [memoryview(p).cast("B") for p in parts]) for key, parts in items]
         lengths = [sum(p.nbytes for p in parts) for _, parts in values]
 
-        def call(conn: _Conn, deadline: _Deadline) -> int:
+        def call(conn: _Conn, deadline: Deadline) -> int:
             if not values:
                 return 0
             staging = self._staging(conn, max(lengths), sum(lengths), deadline)
@@ -315,12 +277,12 @@ class LocalTransport:
 
     # -- helpers --------------------------------------------------------------------
 
-    def _put_reply(self, conn: _Conn, pending: deque[int], deadline: _Deadline) -> int:
+    def _put_reply(self, conn: _Conn, pending: deque[int], deadline: Deadline) -> int:
         pending.popleft()
         stored, _, _ = conn.reply(Op.PUT, deadline)
         return stored
 
-    def _staging(self, conn: _Conn, largest: int, total: int, deadline: _Deadline) -> _Staging:
+    def _staging(self, conn: _Conn, largest: int, total: int, deadline: Deadline) -> _Staging:
         """The connection's staging segment: two halves of at least ``largest`` bytes
         (pipelined; up to ``PIPELINE_BYTES`` each, so that small values go a few to a
         request), or room for one value when the tier cannot give more."""
@@ -332,7 +294,7 @@ class LocalTransport:
             try:
                 conn.send([lw.request(Op.STAGE, 0, lw.STAGE.size), lw.STAGE.pack(size)], deadline)
                 conn.reply(Op.STAGE, deadline)
-            except _Refused as exc:  # no room for two values (now, or ever): one
+            except Refused as exc:  # no room for two values (now, or ever): one
                 if (
                     exc.status in (Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED)
                     and size != largest
@@ -351,61 +313,17 @@ class LocalTransport:
         table = lw.key_table(list(keys))
         request = lw.request(op, len(keys), len(table))
 
-        def call(conn: _Conn, deadline: _Deadline) -> int:
+        def call(conn: _Conn, deadline: Deadline) -> int:
             conn.send([request, table], deadline)
             count, _, _ = conn.reply(op, deadline)
             return count
 
         return self._call(op_name, call, timeout_s)
 
-    def _call(self, op: str, fn: Callable[[_Conn, _Deadline], T], timeout_s: float) -> T:
-        deadline = _Deadline(timeout_s)
-        for attempt in (0, 1):
-            conn, reused = self._acquire(deadline)
-            try:
-                result = fn(conn, deadline)
-            except _Refused as exc:
-                conn.close()
-                raise tier_error(op, code_name(exc.status), str(exc)) from exc
-            except _Broken as exc:
-                conn.close()
-                raise TierUnavailable(f"{op}: DATA_LOSS: {exc}") from exc
-            except TimeoutError as exc:
-                conn.close()
-                raise TierUnavailable(
-                    f"{op}: DEADLINE_EXCEEDED: no answer on the local socket within {timeout_s:g}s"
-                ) from exc
-            except (OSError, ConnectionError) as exc:
-                conn.close()
-                if reused and attempt == 0:
-                    continue  # the tier closed this idle connection: once more on a new one
-                raise TierUnavailable(
-                    f"{op}: UNAVAILABLE: local socket {self.path}: {exc}"
-                ) from exc
-            except BaseException:
-                conn.close()
-                raise
-            self._release(conn)
-            return result
-        raise AssertionError("unreachable")
-
-    def _acquire(self, deadline: _Deadline) -> tuple[_Conn, bool]:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
-        return self._connect(deadline), False
-
-    def _release(self, conn: _Conn) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self.max_idle:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _connect(self, deadline: _Deadline) -> _Conn:
+    def _connect(self, deadline: Deadline) -> _Conn:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(max(0.001, min(CONNECT_TIMEOUT_S, deadline.end - time.monotonic())))
+            sock.settimeout(deadline.connect_timeout())
             sock.connect(self.path)
         except OSError as exc:
             sock.close()
@@ -417,7 +335,7 @@ class LocalTransport:
             auth = (self.authorization or "").encode()
             conn.send([lw.request(Op.HELLO, 0, len(auth)), auth], deadline)
             conn.reply(Op.HELLO, deadline)
-        except _Refused as exc:
+        except Refused as exc:
             conn.close()
             raise TierRejected(
                 f"LocalHello: {code_name(exc.status)}: {exc}", code_name(exc.status)
