@@ -657,6 +657,8 @@ FAILURE_ONLY = {
     "kvtier_tier_errors_total": "a storage tier's I/O failing (disk full, Redis down)",
     "kvtier_write_behind_dropped_total": "the write-behind queue full",
     "kvtier_connector_corrupt_chunks_total": "a chunk failing verification",
+    # The tier pod deleted mid-traffic fails a load only when one is in flight at the kill.
+    "kvtier_connector_load_failed_blocks_total": "a load failing (its tier gone mid-load)",
 }
 
 
