@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,11 @@ def test_the_harness_turns_on_what_the_operator_renders_for_a_default_tier(tmp_p
             assert (rendered[env] != "0") == (port != 0), f"{env}: the operator renders {rendered[env]}"
         with TierClient(tier.target) as auto:  # the connector's default path
             auto.put([(b"k", b"v")])
-        assert tier.metric("kvtier_server_requests_total", op="DataPut", code="OK") == 1
+            assert auto.transport == "data"
+        # The tier counts a request once its reply is sent: the count may trail the reply.
+        deadline = time.monotonic() + 10
+        while tier.metric("kvtier_server_requests_total", op="DataPut", code="OK") != 1:
+            assert time.monotonic() < deadline, "the tier never counted the Put as DataPut OK"
+            time.sleep(0.05)
     finally:
         tier.stop()

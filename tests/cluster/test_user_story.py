@@ -70,6 +70,8 @@ class Story:
     prometheus: Prometheus | None = None
     discovery: FileDiscovery | None = None  # Kubernetes discovery for Debian's Prometheus
     started: float = field(default_factory=time.time)
+    # OTHER_TEXT's answer once the tier held it, sent only before the tier pod's deletion.
+    other: Any = None
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
         out = self.cluster.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout
@@ -574,15 +576,17 @@ def test_the_tier_pod_deleted_mid_traffic_every_request_answers_and_hits_resume_
 ) -> None:
     """Traffic runs through the tier pod's deletion: every request answers alike, recomputed
     while the tier is away, hits once it is back. The new pod starts with the disk tier its
-    claim kept: a request sent only before the fault (so nothing put its chunks again into
-    the new pod's empty RAM) hits, read from the disk and promoted to RAM. (The traffic's
-    own hits after the fault may come from RAM: a recomputed request can store its chunks
-    again before the next one reads them.)"""
+    claim kept (its entries, its log). That the disk serves them is the next test's: a
+    request sent only before the fault (so nothing put its chunks again into the new pod's
+    empty RAM) to an engine that never saw it. (Here, the engines' own prefix caches answer
+    that request, and the traffic's hits after the fault may come from RAM: a recomputed
+    request can store its chunks again before the next one reads them.)"""
     (tier,) = s.ready_pods(TIER_SELECTOR)
     url = s.service_url()
     disk_only = chat(url, MODEL, OTHER_TEXT, SEED)
     again = s.cluster.eventually("the other prompt held whole by the tier", _settled_hit(url))
     assert again.text == disk_only.text
+    s.other = again
     s.cluster.eventually(  # the write-behind queue drained: its chunks are on the disk too
         "the tier's write-behind queue empty",
         lambda: _metrics(tier, story.TIER_METRICS_PORT).get("kvtier_write_behind_queue_depth") == 0,
@@ -605,25 +609,27 @@ def test_the_tier_pod_deleted_mid_traffic_every_request_answers_and_hits_resume_
     assert recovered.get("kvtier_tier_entries", tier="ram") == 0
     log = s.cluster.kubectl("logs", new["metadata"]["name"], "-n", NS).stdout
     assert int(re.search(r"disk tier at /var/lib/kvtier: (\d+) entries", log).group(1)) >= held  # type: ignore[union-attr]
-    # ... and the request sent only before the fault hits as before, read from the disk (the
-    # new pod's RAM never held it) and promoted to RAM.
-    hits = _metrics(new, story.TIER_METRICS_PORT)
-    after = chat(url, MODEL, OTHER_TEXT, SEED)
-    assert after.cached_tokens == again.cached_tokens and after.text == disk_only.text
-    counted = _metrics(new, story.TIER_METRICS_PORT)
-    disk_hits = counted.get("kvtier_tier_hits_total", tier="disk")
-    assert disk_hits - hits.get("kvtier_tier_hits_total", tier="disk") >= 1
-    promoted = counted.get("kvtier_tier_promotions_total", tier="ram")
-    assert promoted - hits.get("kvtier_tier_promotions_total", tier="ram") >= 1
 
 
 def test_an_engine_pod_deleted_its_replacements_first_repeat_is_a_tier_hit(s: Story) -> None:
+    """The replacement engine has no prefix cache of its own: its hits are the tier's. Its
+    first request is the one sent only before the tier pod's deletion: the tier pod started
+    since holds it on its disk alone, so the hit is read from the disk and promoted to RAM."""
+    assert s.other is not None, "needs the tier-pod-deleted test before it"
     old = s.ready_pods(ENGINE_SELECTOR)
     assert len(old) == 2
     s.cluster.kubectl("delete", "pod", old[0]["metadata"]["name"], "-n", NS, "--wait=false")
     (new,) = s.wait_engines(1, exclude=frozenset(p["metadata"]["name"] for p in old))
     assert _metrics(new, story.ENGINE_PORT).get("vllm:request_success_total") == 0
-    answer = chat(f"http://{new['status']['podIP']}:{story.ENGINE_PORT}", MODEL, TEXT, SEED)
+    engine = f"http://{new['status']['podIP']}:{story.ENGINE_PORT}"
+    (tier,) = s.ready_pods(TIER_SELECTOR)
+    before = _metrics(tier, story.TIER_METRICS_PORT)
+    other = chat(engine, MODEL, OTHER_TEXT, SEED)
+    assert other.cached_tokens >= 256 and other.text == s.other.text
+    after = _metrics(tier, story.TIER_METRICS_PORT)
+    for series, tier_name in (("kvtier_tier_hits_total", "disk"), ("kvtier_tier_promotions_total", "ram")):
+        assert after.get(series, tier=tier_name) - before.get(series, tier=tier_name) >= 1, series
+    answer = chat(engine, MODEL, TEXT, SEED)
     assert answer.cached_tokens >= 256 and answer.text == s.answer
 
 
@@ -664,6 +670,13 @@ FAILURE_ONLY = {
 
 def test_every_dashboard_panel_query_returns_data_from_this_run(s: Story) -> None:
     assert s.prometheus is not None
+    # Gauge panels read the latest sample: the tier pod the last roll started must be found
+    # (discovery) and scraped first (a fresh-machine run queried before it was: no data).
+    (tier,) = s.ready_pods(TIER_SELECTOR)
+    s.prometheus.wait_scraped(
+        f'kvtier_server_serving{{namespace="{NS}",instance=~"{tier["status"]["podIP"]}:.*"}}',
+        timeout_s=120,
+    )
     window = f"{int(time.time() - s.started) + 10}s"  # everything since Prometheus started
     empty, seen = [], set()
     for stem, title, expr in story.panel_targets(dashboards()):
