@@ -129,9 +129,14 @@ class TieredStore:
         }
         # Deletes each lower tier missed while failing, replayed before it serves again.
         self._deletes: dict[str, OrderedDict[bytes, None]] = {t.name: OrderedDict() for t in self.tiers[1:]}
-        for name in self._deletes:  # exported from the start, zero
+        # Exported from the start, zero: a dashboard's rate() has samples before the first
+        # event, so a panel shows 0, not "No data" (nor nothing until two scrapes after it).
+        for name in self._deletes:
             metrics.pending_deletes.labels(name).set(0)
             metrics.deletes_dropped.labels(name)
+            metrics.write_behind_dropped.labels(name)
+        for tier in self.tiers[:-1]:  # the tiers a hit below them is promoted into
+            metrics.promotions.labels(tier.name)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ----------------------------------------------------------------
