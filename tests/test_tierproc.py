@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from kvtier.proto import datawire as dw
 from kvtier.proto.datawire import Op, Status
 from kvtier.testing.redisprocs import free_ports
 from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.waits import wait_for
 
 
 def hello(port: int) -> int:
@@ -75,9 +75,6 @@ def test_the_harness_turns_on_what_the_operator_renders_for_a_default_tier(tmp_p
             auto.put([(b"k", b"v")])
             assert auto.transport == "data"
         # The tier counts a request once its reply is sent: the count may trail the reply.
-        deadline = time.monotonic() + 10
-        while tier.metric("kvtier_server_requests_total", op="DataPut", code="OK") != 1:
-            assert time.monotonic() < deadline, "the tier never counted the Put as DataPut OK"
-            time.sleep(0.05)
+        assert wait_for(lambda: tier.metric("kvtier_server_requests_total", op="DataPut", code="OK") == 1)
     finally:
         tier.stop()

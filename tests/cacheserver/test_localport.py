@@ -25,6 +25,7 @@ from kvtier.proto import localwire as lw
 from kvtier.proto.localwire import Op, Place, Status
 from kvtier.testing.localraw import RawLocal
 from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.waits import wait_for
 
 TOKEN_A = "a" * 24 + "-tenant-a-token"
 TOKEN_B = "b" * 24 + "-tenant-b-token"
@@ -38,15 +39,6 @@ def value(n: int, seed: int = 0) -> bytes:
 
 def as_bytes(values: list[bytes | memoryview | None]) -> list[bytes | None]:
     return [None if v is None else bytes(v) for v in values]
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 @pytest.fixture
