@@ -118,12 +118,19 @@ def computed(engine: EngineProcess, batch: list[dict[str, str]]) -> list[list[in
 
 
 def reaches_tier(writer: EngineProcess, faulty: EngineProcess) -> None:
-    """Until F loads a prompt W saved (after a fault: breaker closed, connections back)."""
+    """Until F loads a prompt W saved (after a fault: breaker closed, connections back).
+
+    Proven by F's worker loading the chunks, not by ``num_cached_tokens``: vLLM sets that
+    from the scheduler's Lookup when it schedules the request and keeps it when the
+    worker's load then fails or is skipped (an open breaker) and the chunks are recomputed.
+    """
     deadline = time.monotonic() + 30
     while True:
         probe = prompts(1)
         computed(writer, probe)
-        if faulty.generate(probe)[0].num_cached_tokens == FULL * CHUNK:
+        before = faulty.stats()
+        hit = faulty.generate(probe)[0].num_cached_tokens == FULL * CHUNK
+        if hit and delta(faulty, before, "loaded_chunks") == FULL:
             return
         assert time.monotonic() < deadline, "engine F did not reach the tier again"
         time.sleep(0.2)
@@ -192,6 +199,7 @@ class WhenTierMetricGrows(threading.Thread):
         self.tier, self.metric, self.action = tier, metric, action
         self.start_value = tier.metric(metric)
         self.fired = threading.Event()
+        self.error: BaseException | None = None
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -201,7 +209,11 @@ class WhenTierMetricGrows(threading.Thread):
             except OSError:
                 return
             if value > self.start_value:
-                self.action()
+                try:
+                    self.action()
+                except BaseException as e:  # reported by __exit__, in the test's thread
+                    self.error = e
+                    return
                 self.fired.set()
                 return
             time.sleep(0.002)
@@ -213,6 +225,8 @@ class WhenTierMetricGrows(threading.Thread):
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self._done.set()
         self.join(60)
+        if self.error is not None and exc[0] is None:
+            raise AssertionError(f"the fault's action failed: {self.error!r}") from self.error
 
 
 # -- the tier's disk --------------------------------------------------------------------
@@ -224,18 +238,34 @@ def small_disk(tier: TierProcess) -> Iterator[TierProcess]:
     tier.disk_fs_bytes = 2 << 20
     tier.restart()
     yield tier
-    subprocess.run(remount(tier, "rw"), check=False, capture_output=True)
+    try:
+        remount(tier, "rw", within_s=2)
+    except RuntimeError:
+        pass  # the tier may be gone already; its restart below mounts a fresh directory
     tier.disk_fs_bytes = 0
     tier.restart()
 
 
-def remount(tier: TierProcess, mode: str) -> list[str]:
-    """The command that remounts the tier's disk tmpfs ``ro`` or ``rw`` (in its namespaces)."""
+def remount(tier: TierProcess, mode: str, *, within_s: float = 10.0) -> None:
+    """Remounts the tier's disk tmpfs ``ro`` or ``rw`` (in its namespaces).
+
+    The kernel refuses a read-only remount (EBUSY) while any file on it is open for writing,
+    which is the case for the few milliseconds a write-behind copy writes its file: retried
+    until it takes, within ``within_s``; the last refusal is raised with mount's own words.
+    """
     assert tier.proc is not None
-    return [
+    command = [
         "nsenter", "-t", str(tier.proc.pid), "-U", "-m", "--preserve-credentials",
         "mount", "-o", f"remount,{mode}", str(tier.directory / "disk"),
     ]  # fmt: skip
+    deadline = time.monotonic() + within_s
+    while True:
+        done = subprocess.run(command, check=False, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"remount,{mode} of the tier's disk failed: {done.stderr.strip()}")
+        time.sleep(0.005)
 
 
 def test_disk_filling_up_while_engines_save_answers_every_request_with_the_no_cache_output(
@@ -282,7 +312,7 @@ def test_disk_made_read_only_while_engines_save_answers_every_request_and_recove
     before = faulty.stats()
 
     def read_only() -> None:
-        subprocess.run(remount(tier, "ro"), check=True, capture_output=True)
+        remount(tier, "ro")
 
     with WhenTierMetricGrows(tier, "kvtier_server_received_bytes_total", read_only) as fault:
         outs, elapsed = timed(lambda: faulty.generate(batch))  # F computes and saves
@@ -297,7 +327,7 @@ def test_disk_made_read_only_while_engines_save_answers_every_request_and_recove
     bound = computing_s + 10
     assert elapsed < bound
 
-    subprocess.run(remount(tier, "rw"), check=True, capture_output=True)
+    remount(tier, "rw")
     deadline = time.monotonic() + 30
     while tier.metric("kvtier_tier_healthy", tier="disk") != 1:  # the prober brings it back
         assert time.monotonic() < deadline, "the disk tier did not recover"
@@ -433,8 +463,10 @@ def test_tier_restarted_on_its_disk_mid_traffic_answers_every_request_and_hits_f
 
     reaches_tier(writer, faulty)
     disk_hits = tier.metric("kvtier_tier_hits_total", tier="disk")
+    loads = faulty.stats()
     again = faulty.generate(kept)
     assert [o.num_cached_tokens for o in again] == [FULL * CHUNK] * BATCH
+    assert delta(faulty, loads, "loaded_chunks") == BATCH * FULL  # loaded, not recomputed
     assert tokens(again) == kept_expected
     assert tier.metric("kvtier_tier_hits_total", tier="disk") - disk_hits >= BATCH * FULL
     assert corrupt(faulty.stats()) == corrupt(before)
