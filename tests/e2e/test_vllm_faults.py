@@ -85,11 +85,15 @@ def healthy(module_tier: TierProcess, proxy: FaultProxy, writer, faulty) -> None
     if proxy._server is None:
         proxy.listen()
     # A new probe each try: a probe F once computed or loaded would hit F's own prefix
-    # cache, without proving that F reaches the tier again (breaker, gRPC reconnect).
+    # cache, without proving that F reaches the tier again (breaker, gRPC reconnect). The
+    # proof is F's worker loading chunks: vLLM's num_cached_tokens comes from the
+    # scheduler's Lookup and stays when the worker's load is skipped or fails.
     deadline = time.monotonic() + 30
     while True:
         probe, _ = computed_by_writer(writer, seed=next(PROBE_SEEDS))
-        if faulty.generate([probe])[0].num_cached_tokens > 0:
+        before = faulty.stats()
+        faulty.generate([probe])
+        if delta(faulty, before, "loaded_chunks") > 0:
             break
         assert time.monotonic() < deadline, "engine F did not recover"
         time.sleep(0.2)
@@ -195,13 +199,18 @@ def test_frozen_tier_opens_breaker_then_probe_closes_it(
            [expected] * 6, elapsed, failed * FAST_FAULTS["lookup_timeout_s"] + 10)  # fmt: skip
 
     deadline = time.monotonic() + 30
-    while True:  # after the cool-down one probe goes through and the hits come back
+    while True:  # after the cool-down one probe goes through and the loads come back
         time.sleep(FAST_FAULTS["breaker_cooldown_s"])
-        (out,) = faulty.generate([prompt])
-        if out.num_cached_tokens or time.monotonic() > deadline:
+        # A prompt F never ran: F computed ``prompt`` itself while the tier was frozen.
+        probe, probe_expected = computed_by_writer(writer, seed=next(PROBE_SEEDS))
+        loads = faulty.stats()
+        (out,) = faulty.generate([probe])
+        loaded = delta(faulty, loads, "loaded_chunks")
+        if loaded or time.monotonic() > deadline:
             break
     assert out.num_cached_tokens == 3 * CHUNK
-    assert out.token_ids == expected
+    assert out.token_ids == probe_expected
+    assert loaded == 3  # the worker loaded them (num_cached_tokens is the Lookup's count)
     assert faulty.stats()["breaker_open"] == 0
 
 
