@@ -21,6 +21,7 @@ may wait longer than the deadlines allow. Each test adds a row to the fault tabl
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import threading
@@ -238,10 +239,8 @@ def small_disk(tier: TierProcess) -> Iterator[TierProcess]:
     tier.disk_fs_bytes = 2 << 20
     tier.restart()
     yield tier
-    try:
+    with contextlib.suppress(RuntimeError):  # the tier may be gone: its restart remounts
         remount(tier, "rw", within_s=2)
-    except RuntimeError:
-        pass  # the tier may be gone already; its restart below mounts a fresh directory
     tier.disk_fs_bytes = 0
     tier.restart()
 
