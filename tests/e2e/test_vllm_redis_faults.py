@@ -156,9 +156,12 @@ def test_redis_killed_costs_misses_not_requests_and_a_restarted_redis_is_used_ag
 
     _wait_healthy(redis_tier)
     again, again_expected = only_in_redis(writer, redis, seed=4)
+    hits = redis_tier.metric("kvtier_tier_hits_total", tier="redis")
     (out,) = reader.generate([again])
     assert out.token_ids == again_expected
     assert out.num_cached_tokens == 3 * CHUNK
+    # Read from the restarted Redis (num_cached_tokens alone is the Lookup's count).
+    assert redis_tier.metric("kvtier_tier_hits_total", tier="redis") - hits >= 3
 
 
 def test_redis_frozen_costs_misses_and_holds_saves_at_most_the_tier_timeout(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,14 +52,14 @@ class Engines:
         self.arch, self.a, self.b = arch, a, b
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda a: a.page)
-def engines(
-    request: pytest.FixtureRequest, recipes_dir: Path, recipes_tier: TierProcess
+@contextlib.contextmanager
+def two_engines(
+    arch: Architecture, recipes_dir: Path, tier: TierProcess, tag: str = ""
 ) -> Iterator[Engines]:
-    """Two engines of one architecture, alive while its tests run (then the next one's)."""
-    arch: Architecture = request.param
+    """Engines A (zstd chunks) and B (raw) of ``arch`` on ``tier``, stopped at the end
+    (``tag`` keeps their directories apart from other engines of ``arch``)."""
     model = arch.build(recipes_dir / "models" / arch.page)
-    config = {"target": recipes_tier.target, "chunk_size": CHUNK, **RELAXED}
+    config = {"target": tier.target, "chunk_size": CHUNK, **RELAXED}
     codecs = {"a": "zstd", "b": "raw"}
     work = recipes_dir / "engines"
     started: list[EngineProcess] = []
@@ -69,7 +70,7 @@ def engines(
             started.append(
                 EngineProcess.start(
                     model,
-                    work / f"{arch.page}-{name}",
+                    work / f"{arch.page}{tag}-{name}",
                     name=name,
                     extra_config={**config, "codec": codecs[name]},
                     ec_extra_config=config,
@@ -86,3 +87,12 @@ def engines(
             engine.begin_close()
         for engine in started:
             engine.close()
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES, ids=lambda a: a.page)
+def engines(
+    request: pytest.FixtureRequest, recipes_dir: Path, recipes_tier: TierProcess
+) -> Iterator[Engines]:
+    """Two engines of one architecture, alive while its tests run (then the next one's)."""
+    with two_engines(request.param, recipes_dir, recipes_tier) as engines:
+        yield engines
