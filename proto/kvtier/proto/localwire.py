@@ -38,10 +38,17 @@ from __future__ import annotations
 
 import enum
 import struct
+from types import ModuleType
 
 import xxhash
 
 from kvtier.proto.datawire import Status
+
+_copyhash: ModuleType | None
+try:  # the C helper (proto/kvtier/proto/_copyhash.c), built by pip when a compiler is at hand
+    from kvtier.proto import _copyhash
+except ImportError:  # pragma: no cover - exercised where the helper is not built
+    _copyhash = None
 
 __all__ = [
     "ENTRY",
@@ -62,6 +69,7 @@ __all__ = [
     "Status",
     "checksum",
     "copy_checked",
+    "copy_checked_py",
     "key_table",
     "put_table",
     "reply",
@@ -130,7 +138,17 @@ def checksum(value: memoryview | bytes) -> int:
 
 def copy_checked(dst: memoryview, *sources: memoryview) -> int:
     """Copies ``sources`` back to back into ``dst`` (of their total length) and returns the
-    checksum of what landed in ``dst``, each block hashed right after it is copied."""
+    checksum of what landed in ``dst``, each block hashed right after it is copied. In C
+    without the GIL where ``_copyhash`` is built (fast at any alignment; docs/benchmarks.md,
+    "Same-node copies and alignment"), else ``copy_checked_py``."""
+    if _copyhash is not None:
+        got: int = _copyhash.copy_checked(dst, *sources)
+        return got
+    return copy_checked_py(dst, *sources)
+
+
+def copy_checked_py(dst: memoryview, *sources: memoryview) -> int:
+    """``copy_checked`` in pure Python: a memoryview slice assignment per block."""
     total = sum(src.nbytes for src in sources)
     if dst.nbytes != total:
         raise ValueError(f"copy of {total} bytes into {dst.nbytes}")
