@@ -81,3 +81,44 @@ async def test_a_broken_directory_raises_tier_failure_and_ping_reports_it(tmp_pa
     with pytest.raises(TierFailure, match="not writable"):
         await tier.ping()
     assert tier.usage().used_bytes == 0, "a failed write releases its reserved space"
+
+
+async def test_a_get_reuses_a_read_buffer_only_once_no_value_of_it_is_held(tmp_path: Path) -> None:
+    """Records are read into buffers kept for reuse: a value still held (being sent,
+    promoted) keeps its buffer, so reading other values never changes its bytes; once
+    it is dropped, the next read of that size lands in the same memory."""
+    tier = await opened(tmp_path, 64 << 20)
+    values = {f"k{i}".encode(): os.urandom(2 << 20) for i in range(4)}
+    for key, value in values.items():
+        assert await tier.put(key, value)
+    held = {key: await tier.get(key) for key in values}  # every buffer in use
+    for key, got in held.items():
+        assert got is not None and got.readonly and bytes(got) == values[key]
+    assert tier._read_buffers.reused == 0
+    rotated = [*values][1:] + [*values][:1]  # a wrong reuse would overwrite another's bytes
+    for key in rotated:  # read again while the first reads are held: new buffers
+        again = await tier.get(key)
+        assert again is not None and bytes(again) == values[key]
+        del again
+    for key, got in held.items():
+        assert got is not None and bytes(got) == values[key]
+    first = held[b"k0"]
+    assert first is not None
+    buffer = first.obj
+    del first
+    held.clear()  # every value dropped: their buffers may be read into again
+    reused = await tier.get(b"k3")
+    assert reused is not None and bytes(reused) == values[b"k3"]
+    assert tier._read_buffers.reused >= 1
+    assert any(reused.obj is b for b in tier._read_buffers._kept)
+    del buffer
+
+
+async def test_read_buffers_stay_within_their_bound(tmp_path: Path) -> None:
+    tier = await opened(tmp_path, 64 << 20)
+    tier._read_buffers.limit = 5 << 20
+    for i in range(6):
+        assert await tier.put(f"k{i}".encode(), bytes([i]) * (2 << 20))
+    held = [await tier.get(f"k{i}".encode()) for i in range(6)]
+    assert sum(map(len, tier._read_buffers._kept)) <= 5 << 20
+    assert [bytes(v[:1]) for v in held if v is not None] == [bytes([i]) for i in range(6)]

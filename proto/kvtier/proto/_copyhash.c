@@ -7,12 +7,12 @@
  *       and the hash run without the GIL.
  *
  * Why C (docs/benchmarks.md, "Same-node copies and alignment"): the pure-Python copy is a
- * memoryview slice assignment, one glibc memcpy per 256 KiB block, and glibc copies blocks
- * of that size with `rep movsb`, which on the AMD EPYC of these machines runs at a third of
- * its speed when the destination and the source differ by 16 bytes modulo 64 -- exactly the
- * case of a bytearray (data at 16 mod 4096) filled from a page-aligned shared segment, or a
- * page-aligned staging segment filled from a large bytes object (data at 48 mod 64). Copying in
- * pieces below glibc's `rep movsb` threshold uses its vector loop, fast at any alignment.
+ * memoryview slice assignment, one glibc memcpy per 256 KiB block, and on the AMD EPYC of
+ * these machines a copy of that size runs at a third to a half of its speed when the
+ * destination lies a few bytes (8 or 16) past the source modulo 4 KiB -- exactly the case
+ * of a bytearray receive buffer (data at 16 past a page boundary) filled from a page-aligned
+ * shared segment. Copying in pieces below glibc's `rep movsb` threshold (its vector loop)
+ * loses less there; aligned copies still go whole to memcpy.
  * Releasing the GIL lets an engine's other threads run during the copy.
  *
  * Optional: localwire.py computes the same in pure Python when this module is not built
@@ -43,7 +43,8 @@
 static void
 copy_pieces(char *dst, const char *src, size_t n)
 {
-    if ((((uintptr_t)dst - (uintptr_t)src) & 63) == 0) { /* rep movsb at full speed */
+    size_t past = ((uintptr_t)dst - (uintptr_t)src) & 4095;
+    if (past == 0 || past >= 64) { /* no 4K aliasing: whole, at memcpy's best */
         memcpy(dst, src, n);
         return;
     }

@@ -48,9 +48,9 @@ from kvtier.proto.localwire import Op, Place, Status
 
 STAGING_ROUND = 1 << 20
 # Values start at multiples of 64 bytes in the staging segment: the tier copies each one
-# into a page-aligned extent of its own segments, and a copy whose two ends differ by 16
-# bytes modulo 64 runs at a third of the speed on AMD CPUs (docs/benchmarks.md, "Same-node
-# copies and alignment").
+# into a page-aligned extent of its own segments, and a copy whose destination lies a few
+# bytes past its source modulo 4 KiB runs at a third to a half of its speed on these AMD
+# CPUs (docs/benchmarks.md, "Same-node copies and alignment").
 ALIGN = 64
 PIPELINE_BYTES = 16 << 20  # what a Put request carries at most when its values are smaller
 _ANCILLARY = socket.CMSG_SPACE(lw.MAX_FDS * array.array("i").itemsize)

@@ -1,0 +1,112 @@
+"""What one in-memory copy costs on this machine: the figures behind the same-node
+transport's design (docs/benchmarks.md, "Same-node copies and alignment").
+
+    python -m kvtier.bench.copies [--mib 64] [--repeat 10]
+
+Prints GB/s (best of ``--repeat``) of:
+
+- a copy in 256 KiB blocks (``localwire.BLOCK``: the pure-Python ``copy_checked``'s
+  memoryview slice assignments) out of a page-aligned memfd segment, at several
+  alignments of the two ends (offsets in bytes from a page boundary);
+- ``copy_checked``: the C helper (``kvtier.proto._copyhash``) and the pure-Python one,
+  at the aligned case and the case of a ``bytearray`` receive buffer (data at 16);
+- a copy into pages touched before against one into pages never touched (a new memfd
+  segment, or memory the kernel must first allocate and zero): what a tier pays for a
+  value that lands in fresh memory instead of memory it recycled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+from kvtier.proto import localwire
+
+OFFSETS = ((0, 0), (0, 8), (0, 16), (0, 32), (0, 64), (16, 32), (48, 0))
+
+
+def _rate(n: int, fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return n / best / 1e9
+
+
+def _memfd(n: int) -> mmap.mmap:
+    fd = os.memfd_create("kvtier-bench-copies")
+    try:
+        os.ftruncate(fd, n)
+        return mmap.mmap(fd, n)
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvtier.bench.copies", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--mib", type=int, default=64, help="bytes per copy, MiB (default 64)")
+    parser.add_argument("--repeat", type=int, default=10, help="copies per figure (default 10)")
+    args = parser.parse_args(argv)
+    n = args.mib << 20
+    block = localwire.BLOCK
+    source = _memfd(n + 8192)
+    source[: n + 64] = os.urandom(n + 64)
+    target = mmap.mmap(-1, n + 8192)
+    target[:] = bytes(n + 8192)  # touched: no page faults in what follows
+
+    print(f"{args.mib} MiB, best of {args.repeat}; GB/s")
+    print("\nblockwise copy (256 KiB memoryview slice assignments) out of a memfd segment:")
+    for src_off, dst_off in OFFSETS:
+        src = memoryview(source)[src_off : src_off + n]
+        dst = memoryview(target)[dst_off : dst_off + n]
+
+        def blocks(src: memoryview = src, dst: memoryview = dst) -> None:
+            for at in range(0, n, block):
+                dst[at : at + block] = src[at : at + block]
+
+        print(
+            f"  source at {src_off:2d}, destination at {dst_off:2d} (destination - source "
+            f"mod 4096: {(dst_off - src_off) % 4096:4d}): {_rate(n, blocks, args.repeat):6.2f}"
+        )
+        del src, dst
+
+    print("\ncopy_checked (copy and xxh3-64) out of a memfd segment:")
+    helper = localwire._copyhash
+    for dst_off in (0, 16):
+        src = memoryview(source)[:n]
+        dst = memoryview(target)[dst_off : dst_off + n]
+        c = (
+            f"{_rate(n, lambda: helper.copy_checked(dst, src), args.repeat):6.2f}"
+            if helper is not None
+            else "  (not built)"
+        )
+        py = _rate(n, lambda: localwire.copy_checked_py(dst, src), args.repeat)
+        print(f"  destination at {dst_off:2d}: C {c}   pure Python {py:6.2f}")
+        del src, dst
+
+    print("\nfirst touch: a copy into pages touched before, against fresh ones:")
+    payload = memoryview(bytearray(os.urandom(n)))
+    warm = memoryview(target)[:n]
+    touched = _rate(n, lambda: warm.__setitem__(slice(None), payload), args.repeat)
+    fresh_rates = []
+    for _ in range(max(1, args.repeat // 2)):
+        segment = _memfd(n)
+        view = memoryview(segment)
+        start = time.perf_counter()
+        view[:] = payload
+        fresh_rates.append(n / (time.perf_counter() - start) / 1e9)
+        view.release()
+        segment.close()
+    print(f"  into touched memory {touched:6.2f}   into a new memfd {max(fresh_rates):6.2f}")
+    del warm, payload
+
+
+if __name__ == "__main__":
+    main()
