@@ -22,6 +22,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 from kvtier.proto import localwire
 
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
             f"  source at {src_off:2d}, destination at {dst_off:2d} (destination - source "
             f"mod 4096: {(dst_off - src_off) % 4096:4d}): {_rate(n, blocks, args.repeat):6.2f}"
         )
-        del src, dst
+        src.release()
+        dst.release()
 
     print("\ncopy_checked (copy and xxh3-64) out of a memfd segment:")
     helper = localwire._copyhash
@@ -83,18 +85,20 @@ def main(argv: list[str] | None = None) -> None:
         src = memoryview(source)[:n]
         dst = memoryview(target)[dst_off : dst_off + n]
         c = (
-            f"{_rate(n, lambda: helper.copy_checked(dst, src), args.repeat):6.2f}"
+            f"{_rate(n, partial(helper.copy_checked, dst, src), args.repeat):6.2f}"
             if helper is not None
             else "  (not built)"
         )
-        py = _rate(n, lambda: localwire.copy_checked_py(dst, src), args.repeat)
+        py = _rate(n, partial(localwire.copy_checked_py, dst, src), args.repeat)
         print(f"  destination at {dst_off:2d}: C {c}   pure Python {py:6.2f}")
-        del src, dst
+        src.release()
+        dst.release()
 
     print("\nfirst touch: a copy into pages touched before, against fresh ones:")
     payload = memoryview(bytearray(os.urandom(n)))
     warm = memoryview(target)[:n]
-    touched = _rate(n, lambda: warm.__setitem__(slice(None), payload), args.repeat)
+    touched = _rate(n, partial(warm.__setitem__, slice(None), payload), args.repeat)
+    warm.release()
     fresh_rates = []
     for _ in range(max(1, args.repeat // 2)):
         segment = _memfd(n)
@@ -105,8 +109,6 @@ def main(argv: list[str] | None = None) -> None:
         view.release()
         segment.close()
     print(f"  into touched memory {touched:6.2f}   into a new memfd {max(fresh_rates):6.2f}")
-    del warm, payload
-
 
 if __name__ == "__main__":
     main()
