@@ -26,6 +26,10 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
   shared memfd segments; the client is told to require it). The tier gets
   ``--incoming-bytes 1GiB``: each client connection holds a staging segment of twice
   its largest value from that budget (4 clients x 2 x 64 MiB).
+- ``kvtier disk same-node`` / ``kvtier Redis same-node``: the disk and Redis rows'
+  tiers over the same-node transport: what an engine beside a per-node tier gets
+  from its lower tiers (a value not held by the RAM tier reaches the client inline
+  on the socket, docs/protocol.md, "Same-node transport").
 - ``plain file``: no server: each client process writes every value to a file of its
   own (open, write, close; no fsync, as the disk tier's default) and reads it back
   (open, ``readinto`` a buffer given back and reused, close), in a directory beside
@@ -75,6 +79,8 @@ BACKENDS = (
     "plain file",
     "kvtier disk",
     "kvtier Redis",
+    "kvtier disk same-node",
+    "kvtier Redis same-node",
 )
 EXPERIMENTS = ("kvtier RAM no-recycle",)  # run only when named in --backends
 
@@ -187,6 +193,8 @@ def start_backend(
         "kvtier RAM gRPC": "kvtier-grpc",
         "kvtier RAM no-recycle": "kvtier-fresh",
         "kvtier same-node": "kvtier-local",
+        "kvtier disk same-node": "kvtier-local",
+        "kvtier Redis same-node": "kvtier-local",
     }.get(name, "kvtier")
     b = Backend(name, kind, free_port())
     flags = ["--host", "127.0.0.1", "--port", str(b.port), "--metrics-port", "0",
@@ -194,17 +202,17 @@ def start_backend(
              "--tier-timeout", "60s", "--grace-period", "1s"]  # fmt: skip
     if b.kind in ("kvtier", "kvtier-fresh"):
         flags += ["--data-port", str(free_port())]
+    if b.kind == "kvtier-local":
+        b.socket = str(directory / "tier.sock")
+        flags += ["--local-socket", b.socket, "--incoming-bytes", "1GiB"]
     if name in ("kvtier RAM", "kvtier RAM gRPC", "kvtier RAM no-recycle", "kvtier same-node"):
         flags += ["--ram-bytes", "8GiB", "--disk-bytes", "0"]
         if name == "kvtier RAM no-recycle":
             flags += ["--ram-recycle-bytes", "0"]
-        if name == "kvtier same-node":
-            b.socket = str(directory / "tier.sock")
-            flags += ["--local-socket", b.socket, "--incoming-bytes", "1GiB"]
-    elif name == "kvtier disk":
+    elif name in ("kvtier disk", "kvtier disk same-node"):
         flags += ["--ram-bytes", "1", "--disk-dir", str(directory / "disk"),
                   "--disk-bytes", "16GiB", "--write-policy", "write-through"]  # fmt: skip
-    elif name == "kvtier Redis":
+    elif name in ("kvtier Redis", "kvtier Redis same-node"):
         redis_port = start_redis(b, directory / "redis")
         flags += ["--ram-bytes", "1", "--disk-bytes", "0", "--write-policy", "write-through",
                   "--redis-url", f"redis://127.0.0.1:{redis_port}", "--redis-timeout", "60s"]  # fmt: skip

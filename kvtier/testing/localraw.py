@@ -38,6 +38,7 @@ class Entry:
     length: int
     checksum: int
     inline: bytes = b""
+    fd: int = -1  # a FILE entry's record file (kept open until close)
 
 
 class RawLocal:
@@ -48,6 +49,7 @@ class RawLocal:
         self.fds: list[int] = []
         self.segments: dict[int, mmap.mmap] = {}
         self.segment_fds: dict[int, int] = {}  # kept open (tests reopen them)
+        self.file_fds: list[int] = []  # FILE entries' record files, kept open
         if authorization is not None:
             reply = self.hello(authorization)
             assert reply.status == lw.Status.OK, reply
@@ -55,7 +57,7 @@ class RawLocal:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-        for fd in [*self.fds, *self.segment_fds.values()]:
+        for fd in [*self.fds, *self.segment_fds.values(), *self.file_fds]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         for m in self.segments.values():
@@ -132,13 +134,20 @@ class RawLocal:
         out = []
         for e in entries:
             inline = self.recv(e.length) if e.place == Place.INLINE else b""
-            out.append(Entry(e.place, e.segment, e.offset, e.length, e.checksum, inline))
+            fd = -1
+            if e.place == Place.FILE:
+                fd = self.fds.pop(0)
+                self.file_fds.append(fd)
+            out.append(Entry(e.place, e.segment, e.offset, e.length, e.checksum, inline, fd))
         return reply, out
 
     def read(self, entry: Entry) -> bytes:
-        """An entry's value: its inline bytes, or a copy out of its segment."""
+        """An entry's value: its inline bytes, read from its record file, or a copy out of
+        its segment."""
         if entry.place == Place.INLINE:
             return entry.inline
+        if entry.place == Place.FILE:
+            return os.pread(entry.fd, entry.length, entry.offset + entry.segment)
         return bytes(self.segments[entry.segment][entry.offset : entry.offset + entry.length])
 
     def release(self) -> None:

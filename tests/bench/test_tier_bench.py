@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = {
     "raw TCP", "memcpy", "redis-py", "LMCache", "kvtier RAM", "kvtier same-node", "kvtier RAM gRPC",
-    "plain file", "kvtier disk", "kvtier Redis",
+    "plain file", "kvtier disk", "kvtier Redis", "kvtier disk same-node", "kvtier Redis same-node",
 }  # fmt: skip
 
 
@@ -63,7 +63,10 @@ def test_results_cover_every_cell_with_positive_throughput(
 
 def test_goals_are_reported_for_kvtier(tiny_run: tuple[dict[str, Any], str, str]) -> None:
     data, stdout, _ = tiny_run
-    assert set(data["goals"]) == {"kvtier RAM", "kvtier same-node", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis"}
+    assert set(data["goals"]) == {
+        "kvtier RAM", "kvtier same-node", "kvtier RAM gRPC", "kvtier disk", "kvtier Redis",
+        "kvtier disk same-node", "kvtier Redis same-node",
+    }  # fmt: skip
     assert all(isinstance(g["met"], bool) for g in data["goals"]["kvtier RAM"])
     assert "Goals (kvtier RAM):" in stdout
 
@@ -72,7 +75,10 @@ def test_the_redis_and_disk_tiers_are_held_to_their_own_ceilings(tiny_run: tuple
     data, stdout, _ = tiny_run
     cfg = data["config"]
     every_cell = len(cfg["sizes_mib"]) * len(cfg["clients"]) * 2
-    for tier, goal in (("kvtier Redis", ">= 0.9x redis-py"), ("kvtier disk", ">= 0.8x plain file")):
+    for tier, goal in (
+        ("kvtier Redis", ">= 0.9x redis-py"), ("kvtier disk", ">= 0.8x plain file"),
+        ("kvtier Redis same-node", ">= 0.9x redis-py"), ("kvtier disk same-node", ">= 0.8x plain file"),
+    ):  # fmt: skip
         goals = data["goals"][tier]
         assert len(goals) == every_cell and {g["goal"] for g in goals} == {goal}
         assert all(g["ratio"] > 0 and isinstance(g["met"], bool) for g in goals)

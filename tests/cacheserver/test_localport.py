@@ -490,3 +490,112 @@ def test_a_stopped_tier_removes_its_socket_file(start_tier: Callable[..., TierPr
     assert os.path.exists(tier.local_socket)
     assert tier.terminate() == 0
     assert not os.path.exists(tier.local_socket)
+
+
+# -- values held only on disk: read by the client from their record files -------------
+
+
+@pytest.fixture
+def disk_tier(start_tier: Callable[..., TierProcess]) -> TierProcess:
+    """Every value on disk only: a RAM tier of 1 byte, and Puts written through."""
+    return start_tier(
+        "--ram-bytes", "1", "--write-policy", "write-through", "--max-keys", "512",
+        "--max-value-bytes", "80MiB", local_socket=True, data_port=True,
+    )  # fmt: skip
+
+
+def record_files(tier: TierProcess) -> list[Path]:
+    return sorted(p for p in (tier.disk_view / "v1").rglob("*") if p.is_file())
+
+
+def test_a_value_held_only_on_disk_comes_back_from_its_record_file(disk_tier: TierProcess) -> None:
+    sizes = [2, 1000, 64 << 10, 5 * MIB + 3, 64 * MIB | 12345]  # more than the RAM tier holds
+    items = [(b"d%d" % n, value(n, i)) for i, n in enumerate(sizes)]
+    with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
+        assert c.put(items) == len(items)
+        assert as_bytes(c.get([k for k, _ in items] + [b"absent"])) == [v for _, v in items] + [None]
+    assert len(record_files(disk_tier)) == len(items)
+    assert disk_tier.metric("kvtier_tier_hits_total", tier="disk") == len(items)
+    with RawLocal(disk_tier.local_socket, "") as raw:
+        reply, entries = raw.get([k for k, _ in items], flags=lw.FLAG_FILES)
+        assert reply.status == Status.OK and reply.extra == 0  # no segment: the files rode on the entries
+        assert [e.place for e in entries] == [Place.FILE] * len(items)
+        for e, (key, data) in zip(entries, items, strict=True):
+            assert e.length == len(data) and raw.read(e) == data
+            stored_key = os.pread(e.fd, e.segment, e.offset)  # the record's key: the tenant's namespaced key
+            assert stored_key.endswith(key) and e.checksum == lw.checksum(stored_key + data)
+            assert stat.S_IMODE(os.fstat(e.fd).st_mode) == 0o400  # read-only to its owner too
+            with pytest.raises(OSError):
+                os.write(e.fd, b"x")  # a read-only descriptor
+        # A client that does not ask for files (an older one) gets the bytes on the socket.
+        reply, entries = raw.get([items[1][0]])
+        assert [e.place for e in entries] == [Place.INLINE] and entries[0].inline == items[1][1]
+
+
+def test_one_get_of_more_record_files_than_one_message_carries_gets_every_one(disk_tier: TierProcess) -> None:
+    items = [(b"many%d" % i, value(100 + i, i)) for i in range(lw.MAX_FDS + 60)]
+    with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
+        assert c.put(items) == len(items)
+        assert as_bytes(c.get([k for k, _ in items])) == [v for _, v in items]
+        assert as_bytes(c.get([k for k, _ in items])) == [v for _, v in items]  # no descriptor left over
+    assert len(os.listdir(f"/proc/{disk_tier.proc.pid}/fd")) < 100  # the tier closed what it sent
+
+
+def test_a_record_file_replaced_or_deleted_after_the_reply_still_reads_whole(disk_tier: TierProcess) -> None:
+    old, new = value(3 * MIB, 1), value(3 * MIB, 2)
+    with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
+        c.put([(b"r", old), (b"gone", old)])
+        with RawLocal(disk_tier.local_socket, "") as raw:
+            _, (e_r, e_gone) = raw.get([b"r", b"gone"], flags=lw.FLAG_FILES)
+            c.put([(b"r", new)])  # written aside, renamed over the old file
+            assert c.delete([b"gone"]) == 1
+            for e in (e_r, e_gone):
+                assert raw.read(e) == old
+                assert lw.read_checked(e.fd, e.offset, memoryview(bytearray(e.length)), e.segment) == e.checksum
+        assert as_bytes(c.get([b"r", b"gone"])) == [new, None]
+
+
+@pytest.mark.parametrize("damage", ["a flipped value byte", "a truncated value"])
+def test_a_corrupt_record_file_is_a_miss_and_deleted_and_its_bytes_never_returned(
+    disk_tier: TierProcess, damage: str
+) -> None:
+    good = value(2 * MIB, 1)
+    with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
+        c.put([(b"good", good)])
+        for bad in (b"bad1", b"bad2"):
+            before = set(record_files(disk_tier))
+            c.put([(bad, value(2 * MIB, 2))])
+            (path,) = set(record_files(disk_tier)) - before
+            with path.open("r+b") as f:
+                if damage == "a flipped value byte":  # found by the client's checksum
+                    f.seek(-1000, os.SEEK_END)
+                    byte = f.read(1)
+                    f.seek(-1000, os.SEEK_END)
+                    f.write(bytes([byte[0] ^ 0x40]))
+                else:  # found by the tier's check of the header against the file's size
+                    f.truncate(path.stat().st_size - 10)
+        assert as_bytes(c.get([b"good", b"bad1", b"good"], stop_at_first_miss=False)) == [good, None, good]
+        assert as_bytes(c.get([b"good", b"bad2", b"good"])) == [good, None]  # stops at the first miss
+        assert record_files(disk_tier) == [p for p in before if p.exists()]  # both deleted
+        assert c.lookup([b"bad1"]) == 0 and c.lookup([b"bad2"]) == 0
+        assert as_bytes(c.get([b"good"])) == [good]
+    if damage == "a truncated value":  # counted where it was found
+        assert disk_tier.metric("kvtier_tier_verification_failures_total", tier="disk") == 2
+
+
+def test_record_files_are_a_tenants_own(start_tier: Callable[..., TierProcess], tokens_dir: Path) -> None:
+    tier = start_tier(
+        "--ram-bytes", "1", "--write-policy", "write-through", "--auth-tokens", str(tokens_dir),
+        local_socket=True, data_port=True,
+    )  # fmt: skip
+    secret = value(MIB, 7)
+    with (
+        TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_A, data_path="local") as a,
+        TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local") as b,
+    ):
+        a.put([(b"k", secret)])
+        assert as_bytes(b.get([b"k"])) == [None]
+        assert as_bytes(a.get([b"k"])) == [secret]
+    with RawLocal(tier.local_socket, f"Bearer {TOKEN_B}") as raw:
+        _, (entry,) = raw.get([b"k"], flags=lw.FLAG_FILES)
+        assert entry.place == Place.MISSING and raw.fds == []

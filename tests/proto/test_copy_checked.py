@@ -4,6 +4,8 @@ Both implementations, the C helper (``kvtier.proto._copyhash``, which scripts/se
 and the pure-Python one, copy the same bytes and return xxh3-64 of them, at every
 alignment of the two ends (the C helper exists for the misaligned ones), for values that
 span several of their blocks, for several sources, and refuse what cannot be copied whole.
+``read_checked`` (a same-node client reading a disk-tier record file: pread and hash in one
+pass) likewise, both implementations.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -125,3 +128,71 @@ def test_the_c_helper_lets_other_threads_run_during_a_copy() -> None:
         thread.join()
         sys.setswitchinterval(old)
     assert max(shares) > 0.25, shares
+
+
+# -- read_checked: a record file read by a same-node client -----------------------------
+
+READERS: dict[str, Callable[..., int]] = {
+    "c": _copyhash.read_checked,
+    "python": localwire.read_checked_py,
+}
+
+
+@pytest.fixture(params=sorted(READERS))
+def read(request: pytest.FixtureRequest) -> Callable[..., int]:
+    return READERS[request.param]
+
+
+@pytest.fixture
+def record_file(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
+    """A file of a 24-byte header, a 37-byte key and a value of several blocks and a tail."""
+    data = os.urandom(24 + 37 + 3 * localwire.BLOCK + 4321)
+    path = tmp_path / "record"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, data
+    os.close(fd)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1, 37])
+def test_read_checked_reads_the_value_and_hashes_the_prefix_before_it(
+    read: Callable[..., int], record_file: tuple[int, bytes], prefix_len: int
+) -> None:
+    fd, data = record_file
+    start = 24 + 37 - prefix_len  # the prefix ends where the value starts
+    value = data[24 + 37 :]
+    dst = bytearray(len(value) + 64)
+    got = read(fd, start, memoryview(dst)[: len(value)], prefix_len)
+    assert got == xxhash.xxh3_64_intdigest(data[start:])
+    assert bytes(dst[: len(value)]) == value and dst[len(value) :] == b"\0" * 64
+
+
+def test_both_readers_agree_on_every_part_of_a_file(record_file: tuple[int, bytes]) -> None:
+    fd, data = record_file
+    rng = random.Random(3)
+    for _ in range(20):
+        start = rng.randrange(0, len(data))
+        n = rng.randrange(0, len(data) - start)
+        prefix = rng.randrange(0, min(n, 65535) + 1)
+        a, b = bytearray(n - prefix), bytearray(n - prefix)
+        assert _copyhash.read_checked(fd, start, a, prefix) == localwire.read_checked_py(fd, start, memoryview(b), prefix)
+        assert a == b == data[start + prefix : start + n]
+
+
+def test_a_file_that_ends_early_raises_eof(read: Callable[..., int], record_file: tuple[int, bytes]) -> None:
+    fd, data = record_file
+    with pytest.raises(EOFError):
+        read(fd, 10, memoryview(bytearray(len(data))), 0)  # 10 bytes short
+    with pytest.raises(EOFError):
+        read(fd, len(data) - 5, memoryview(bytearray(1)), 10)  # inside the prefix
+
+
+def test_a_bad_descriptor_or_argument_is_refused(read: Callable[..., int], record_file: tuple[int, bytes]) -> None:
+    fd, _ = record_file
+    with pytest.raises(OSError):
+        read(10_000, 0, memoryview(bytearray(10)), 0)  # not open
+    for bad in ((-1, 0, 0), (fd, -1, 0), (fd, 0, -1), (fd, 0, 65536)):
+        with pytest.raises(ValueError):
+            read(bad[0], bad[1], memoryview(bytearray(10)), bad[2])
+    with pytest.raises(BufferError):
+        read(fd, 0, b"read-only", 0)  # the destination must be writable

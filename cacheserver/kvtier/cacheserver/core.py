@@ -28,11 +28,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 from kvtier.cacheserver.budget import ReceiveBudget, Reservation
 from kvtier.cacheserver.errors import InvalidRequest, LimitExceeded
 from kvtier.cacheserver.metrics import ServerMetrics
 from kvtier.cacheserver.namespace import DEFAULT_TENANT, scoped
+from kvtier.cacheserver.record import RecordFile
 from kvtier.cacheserver.settings import Settings
 from kvtier.cacheserver.store import TieredStore
 
@@ -160,15 +162,27 @@ class RequestCore:
             data_port=self.settings.data_port,
         )
 
+    @overload
+    def get(
+        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: Literal[False] = False
+    ) -> AsyncGenerator[tuple[int, Value | None], None]: ...
+
+    @overload
+    def get(
+        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: bool
+    ) -> AsyncGenerator[tuple[int, Value | RecordFile | None], None]: ...
+
     async def get(
-        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool
-    ) -> AsyncGenerator[tuple[int, Value | None], None]:
+        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: bool = False
+    ) -> AsyncGenerator[tuple[int, Value | RecordFile | None], None]:
         """Yields (index, value or None) in request order; a value counts as sent once the
-        edge asks for the next one."""
+        edge asks for the next one. ``files`` (the same-node edge, for a client that reads
+        record files itself): a disk-tier hit is its record file, opened (``RecordFile``;
+        the edge closes it)."""
         hits = misses = 0
         try:
             for index, key in enumerate(keys):
-                value = await self.store.get(scoped(tenant, key))
+                value = await self.store.get(scoped(tenant, key), files=files)
                 if value is None:
                     misses += 1
                     yield index, None
@@ -177,7 +191,9 @@ class RequestCore:
                     continue
                 hits += 1
                 yield index, value
-                self.metrics.sent_bytes.inc(memoryview(value).nbytes)
+                self.metrics.sent_bytes.inc(
+                    value.nbytes if isinstance(value, RecordFile) else memoryview(value).nbytes
+                )
         finally:
             self.metrics.get_keys.labels("hit").inc(hits)
             self.metrics.get_keys.labels("miss").inc(misses)

@@ -167,25 +167,56 @@ class DiskTier:
             read: list[memoryview] = []
             await asyncio.to_thread(_read_file, path, self._read_buffers, read)
             blob = read.pop()
+            value = record.decode(key, blob)
         except FileNotFoundError:
-            # Gone, unless its write is on its way or landed while this read was.
-            if key not in self._writing and writes == self._writes_done:
-                self.lru.remove(key)
-            self.counters.miss(key)
+            self._vanished(key, writes)
             return None
         except OSError as exc:
             raise TierFailure("disk", f"read failed: {exc.strerror}") from exc
-        try:
-            value = record.decode(key, blob)
         except record.CorruptRecord as exc:
-            logger.warning("disk tier: dropping a corrupt record (%s)", exc)
-            self.counters.verification_failures += 1
-            self.counters.miss(key)
-            await self.delete([key])
+            await self._corrupt(key, exc)
             return None
         self.lru.touch(key)
         self.counters.hit(key)
         return value
+
+    async def open_record(self, key: bytes) -> record.RecordFile | None:
+        """``get`` for a same-node client that reads the record itself: the record's file
+        opened read-only, its header checked, its value not read (the caller closes it)."""
+        if key not in self.lru:
+            self.counters.miss(key)
+            return None
+        path = self._path(key)
+        writes = self._writes_done
+        opening = asyncio.ensure_future(asyncio.to_thread(record.open_file, path, key))
+        try:
+            opened = await asyncio.shield(opening)  # cancelled (a deadline): closed once open
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)
+            raise
+        except FileNotFoundError:
+            self._vanished(key, writes)
+            return None
+        except OSError as exc:
+            raise TierFailure("disk", f"open failed: {exc.strerror}") from exc
+        except record.CorruptRecord as exc:
+            await self._corrupt(key, exc)
+            return None
+        self.lru.touch(key)
+        self.counters.hit(key)
+        return opened
+
+    def _vanished(self, key: bytes, writes: int) -> None:
+        """A Get found no file: gone, unless its write is on its way or landed meanwhile."""
+        if key not in self._writing and writes == self._writes_done:
+            self.lru.remove(key)
+        self.counters.miss(key)
+
+    async def _corrupt(self, key: bytes, exc: record.CorruptRecord) -> None:
+        logger.warning("disk tier: dropping a corrupt record (%s)", exc)
+        self.counters.verification_failures += 1
+        self.counters.miss(key)
+        await self.delete([key])
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [k in self.lru for k in keys]
@@ -293,7 +324,10 @@ class DiskTier:
     def _write(self, key: bytes, head: bytes, value: bytes | memoryview) -> None:
         final = self._path(key)
         tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # Read-only to its owner too: the tier never writes a record again (it renames over
+        # and unlinks), and a same-node client handed its descriptor cannot open it again
+        # writable through /proc unless it is root (docs/security.md).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         try:
             view = memoryview(value)
             _write_all(fd, head)
@@ -315,6 +349,11 @@ class DiskTier:
 
 def _file_name(key: bytes) -> str:
     return hashlib.sha256(key).hexdigest()
+
+
+def _close_opened(opening: asyncio.Future[record.RecordFile]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 def _read_file(path: Path, buffers: _ReadBuffers, out: list[memoryview]) -> None:

@@ -9,6 +9,12 @@ requests (``kvtier.proto.localwire``) until EOF, a stream it cannot parse, a sta
   its next GET, its end, or the lease's age passing ``--data-timeout``. At the end the
   connection is shut down *first* and the lease dropped after, so a client that finds
   its connection open after copying knows its copy was whole.
+- A GET from a client that reads record files itself (``FLAG_FILES``) answers a
+  disk-tier hit with the record's file, opened read-only, its header checked: the fd
+  rides on the reply (``SCM_RIGHTS``) and the client reads and checks key and value
+  itself; the tier never reads the value. Record files are never rewritten in place
+  (written aside, renamed), so no lease is needed: a file replaced or removed meanwhile
+  stays readable through the descriptor, whole.
 - A PUT copies values out of the connection's staging segment (STAGE) into the tier's
   own memory and checks each one's checksum on what it copied.
 - Every request passes the request core (``kvtier.cacheserver.core``): the HELLO's
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from typing_extensions import Buffer
 
+from kvtier.cacheserver import record
 from kvtier.cacheserver.arena import SEALS, sealed_memfd
 from kvtier.cacheserver.budget import Reservation
 from kvtier.cacheserver.dataport import status_of
@@ -44,6 +51,7 @@ from kvtier.cacheserver.errors import (
     Unauthenticated,
 )
 from kvtier.cacheserver.localtables import Lost, parse_keys, parse_put_items
+from kvtier.cacheserver.record import RecordFile
 from kvtier.cacheserver.servicer import _stats_response
 from kvtier.proto import localwire as lw
 from kvtier.proto.localwire import Op, Place, Status
@@ -213,7 +221,12 @@ class LocalConnection:
                     self.core, op_name, count, await self._table(op_name, count, table_len)
                 )
                 if op == Op.GET:
-                    await self._get(keys, tenant, bool(flags & lw.FLAG_STOP_AT_FIRST_MISS))
+                    await self._get(
+                        keys,
+                        tenant,
+                        bool(flags & lw.FLAG_STOP_AT_FIRST_MISS),
+                        bool(flags & lw.FLAG_FILES),
+                    )
                 elif op == Op.LOOKUP:
                     await self._send(
                         lw.reply(op, Status.OK, count=await self.core.lookup(tenant, keys))
@@ -320,49 +333,71 @@ class LocalConnection:
         tenant = self.core.tenant(self.authorization)
         await self._send(lw.reply(Op.HELLO, Status.OK, text=tenant))
 
-    async def _get(self, keys: list[bytes], tenant: str, stop_at_first_miss: bool) -> None:
+    async def _get(self, keys: list[bytes], tenant: str, stop_at_first_miss: bool, files: bool) -> None:
         self._release()  # a connection holds one lease: its last Get's
         entries = bytearray()
         inline: list[memoryview] = []
         handed: list[int] = []  # segments whose fds go with this reply
+        opened: list[tuple[int, RecordFile]] = []  # (entry index, record file) of FILE entries
         n = 0
-        values = self.core.get(tenant, keys, stop_at_first_miss)
-        async with contextlib.aclosing(values):
-            async for _, value in values:
-                n += 1
-                if value is None:
-                    entries += lw.ENTRY.pack(Place.MISSING, 0, 0, 0, 0)
-                    continue
-                view = memoryview(value)
-                extent = self.arena.locate(view)
-                if extent is None:
-                    entries += lw.ENTRY.pack(Place.INLINE, 0, 0, view.nbytes, 0)
-                    inline.append(view)
-                    continue
-                if extent.segment not in self.segments and extent.segment not in handed:
-                    handed.append(extent.segment)
-                crc = self.arena.checksum(view, extent)
-                entries += lw.ENTRY.pack(
-                    Place.SHARED, extent.segment, extent.offset, extent.length, crc
+        values = self.core.get(tenant, keys, stop_at_first_miss, files=files)
+        try:
+            async with contextlib.aclosing(values):
+                async for _, value in values:
+                    n += 1
+                    if value is None:
+                        entries += lw.ENTRY.pack(Place.MISSING, 0, 0, 0, 0)
+                        continue
+                    if isinstance(value, RecordFile):
+                        opened.append((n - 1, value))
+                        entries += lw.ENTRY.pack(
+                            Place.FILE, value.key_len, record.HEADER_SIZE, value.value_len, value.checksum
+                        )
+                        continue
+                    view = memoryview(value)
+                    extent = self.arena.locate(view)
+                    if extent is None:
+                        entries += lw.ENTRY.pack(Place.INLINE, 0, 0, view.nbytes, 0)
+                        inline.append(view)
+                        continue
+                    if extent.segment not in self.segments and extent.segment not in handed:
+                        handed.append(extent.segment)
+                    crc = self.arena.checksum(view, extent)
+                    entries += lw.ENTRY.pack(
+                        Place.SHARED, extent.segment, extent.offset, extent.length, crc
+                    )
+                    if id(extent) not in self.leased:  # a value named twice is leased once
+                        self.leased.add(id(extent))
+                        self.lease.append(view)
+                        self.lease_bytes += extent.span
+                        self.port.leased_bytes += extent.span
+            self.lease_since = time.monotonic()
+            segments = [self.arena.segments[s] for s in handed]
+            records = [lw.SEGMENT.pack(s.id, s.size) for s in segments]
+            head = lw.reply(Op.GET, Status.OK, count=n, extra=len(segments))
+            for i in range(0, max(1, len(segments)), lw.MAX_FDS):
+                part = b"".join(records[i : i + lw.MAX_FDS])
+                await self._send(
+                    (head if i == 0 else b"") + part, [s.read_fd for s in segments[i : i + lw.MAX_FDS]]
                 )
-                if id(extent) not in self.leased:  # a value named twice is leased once
-                    self.leased.add(id(extent))
-                    self.lease.append(view)
-                    self.lease_bytes += extent.span
-                    self.port.leased_bytes += extent.span
-        self.lease_since = time.monotonic()
-        segments = [self.arena.segments[s] for s in handed]
-        records = [lw.SEGMENT.pack(s.id, s.size) for s in segments]
-        head = lw.reply(Op.GET, Status.OK, count=n, extra=len(segments))
-        for i in range(0, max(1, len(segments)), lw.MAX_FDS):
-            part = b"".join(records[i : i + lw.MAX_FDS])
-            await self._send(
-                (head if i == 0 else b"") + part, [s.read_fd for s in segments[i : i + lw.MAX_FDS]]
-            )
-        self.segments.update(handed)
-        await self._send(entries)
-        for view in inline:
-            await self._send(view)
+            self.segments.update(handed)
+            await self._send_entries(entries, opened)
+            for view in inline:
+                await self._send(view)
+        finally:
+            for _, opened_file in opened:
+                opened_file.close()  # the client holds its own descriptors now
+
+    async def _send_entries(self, entries: bytearray, opened: list[tuple[int, RecordFile]]) -> None:
+        """Sends a Get's entries, the fds of its FILE entries riding on them: at most
+        ``MAX_FDS`` per message, each message starting at the entry of its first fd."""
+        starts = [0] + [opened[i][0] for i in range(lw.MAX_FDS, len(opened), lw.MAX_FDS)]
+        ends = [*starts[1:], len(entries) // lw.ENTRY.size]
+        for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            fds = [f.fd for _, f in opened[k * lw.MAX_FDS : (k + 1) * lw.MAX_FDS]]
+            part = memoryview(entries)[start * lw.ENTRY.size : end * lw.ENTRY.size]
+            if part.nbytes:
+                await self._send(part, fds)
 
     def _release(self) -> None:
         if self.lease:

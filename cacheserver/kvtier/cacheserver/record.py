@@ -14,7 +14,10 @@ failure, and the lookup is a miss.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
+from dataclasses import dataclass
 
 import xxhash
 from typing_extensions import Buffer
@@ -72,3 +75,46 @@ def decode(key: bytes, record: bytes | memoryview) -> memoryview:
     if checksum(key, value) != crc:
         raise CorruptRecord("checksum mismatch")
     return value
+
+
+@dataclass
+class RecordFile:
+    """A record file opened read-only, its header checked against the key and the file's
+    size but its key and value not read: a same-node client reads them itself and checks
+    ``checksum`` (xxh3-64 of the ``key_len`` bytes at ``HEADER_SIZE`` and the
+    ``value_len`` after them). The disk tier never rewrites a record file in place
+    (written aside, renamed), so the descriptor's bytes stay the record's."""
+
+    fd: int
+    key_len: int
+    value_len: int
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.value_len
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def open_file(path: str | os.PathLike[str], key: bytes) -> RecordFile:
+    """Opens the record of ``key`` at ``path`` and checks its header: the stored key, and
+    the value length against the file's size. Raises CorruptRecord, or OSError
+    (FileNotFoundError when there is no such file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, HEADER_SIZE + len(key), 0)
+        stored_key, value_len, crc = parse_header(head)
+        if stored_key != key:
+            raise CorruptRecord("record belongs to another key")
+        size = os.fstat(fd).st_size
+        if size != HEADER_SIZE + len(key) + value_len:
+            raise CorruptRecord(f"file of {size} bytes, its header says {value_len} of value")
+        return RecordFile(fd, len(key), value_len, crc)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -1,7 +1,9 @@
 """The tiered store: RAM -> disk -> Redis, with promotion, write-behind and degradation.
 
 Reads walk the tiers top-down; a hit in a lower tier is promoted (copied up) so
-the next read is faster. Writes land in the first tier (RAM) at once and are
+the next read is faster (not a hit a same-node client reads from its record file
+itself, ``get(files=True)``: the page cache holds it, and promoting would read the
+value the client reads). Writes land in the first tier (RAM) at once and are
 written behind to the lower tiers by one background task per tier, through a
 bounded pending set (full: the copy is dropped and counted, the RAM copy
 stays). With ``write_through`` a Put returns only once every healthy tier holds
@@ -39,7 +41,8 @@ from typing import TypeVar
 from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.metrics import ServerMetrics
 from kvtier.cacheserver.ram import RamTier
-from kvtier.cacheserver.tiers import Tier
+from kvtier.cacheserver.record import RecordFile
+from kvtier.cacheserver.tiers import FileTier, Tier
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -203,7 +206,10 @@ class TieredStore:
                     present[i] = True
         return _leading(present, 0)
 
-    async def get(self, key: bytes) -> bytes | memoryview | None:
+    async def get(self, key: bytes, *, files: bool = False) -> bytes | memoryview | RecordFile | None:
+        """The newest value of ``key``, or None. ``files``: a hit in a tier that keeps
+        values in files (the disk tier) is that record's file, opened, not read (the
+        caller closes it) and not promoted."""
         for depth, tier in enumerate(self.tiers):
             # A copy on its way to this tier is the newest: asked before the tier, so a copy
             # that lands while the tier is read is found in one or the other, never missed.
@@ -211,6 +217,12 @@ class TieredStore:
             held = pending.held(key) if pending is not None else None
             if held is not None:
                 return held
+            if files and isinstance(tier, FileTier):
+                with contextlib.suppress(_Skip):
+                    opened = await self._call(tier, "get", partial(tier.open_record, key))
+                    if opened is not None:
+                        return opened
+                continue
             try:
                 value: bytes | memoryview | None = await self._call(tier, "get", partial(tier.get, key))
             except _Skip:

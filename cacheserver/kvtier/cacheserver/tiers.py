@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtier.cacheserver.namespace import tenant_of
+from kvtier.cacheserver.record import RecordFile
 
 
 @dataclass
@@ -115,3 +116,13 @@ class Tier(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class FileTier(Protocol):
+    """A tier whose values a same-node client may read from their files itself (DiskTier)."""
+
+    async def open_record(self, key: bytes) -> RecordFile | None:
+        """``get``, but the value's record file opened and its header checked, not read:
+        the caller reads it (and closes it)."""
+        ...

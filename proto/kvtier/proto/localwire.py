@@ -18,9 +18,11 @@ headers, codes and the value checksum from here (the server from
     LOOKUP   table: count x (key_len u16, key) -> OK, count: the present prefix's length
     DELETE   table: count x (key_len u16, key) -> OK, count: keys deleted
     STATS    no table -> OK, extra: body length; body: a kvtier.v1 StatsResponse message
-    GET      table: count x (key_len u16, key); flags bit 0: stop at the first miss
+    GET      table: count x (key_len u16, key); flags bit 0: stop at the first miss;
+             bit 1: the client reads disk-tier record files itself (FILE entries)
              -> OK, count: entries, extra: segments handed over (their fds ride on this reply);
-             body: extra x SEGMENT, then count x ENTRY, then the INLINE values back to back.
+             body: extra x SEGMENT, then count x ENTRY (the fds of its FILE entries ride on
+             it, in order), then the INLINE values back to back.
              The SHARED values of the reply are leased to the connection until RELEASE.
     RELEASE  no table, no reply: ends the connection's lease (the client copied its values)
     STAGE    table: size u64 -> OK, one fd (a writable memfd of that size: the connection's
@@ -37,6 +39,7 @@ copies (``copy_checked``) and checked by the side that reads it.
 from __future__ import annotations
 
 import enum
+import os
 import struct
 from types import ModuleType
 
@@ -52,6 +55,7 @@ except ImportError:  # pragma: no cover - exercised where the helper is not buil
 
 __all__ = [
     "ENTRY",
+    "FLAG_FILES",
     "FLAG_STOP_AT_FIRST_MISS",
     "KEY",
     "MAGIC",
@@ -72,6 +76,8 @@ __all__ = [
     "copy_checked_py",
     "key_table",
     "put_table",
+    "read_checked",
+    "read_checked_py",
     "reply",
     "request",
 ]
@@ -87,6 +93,7 @@ ENTRY = struct.Struct("<BxxxIQQQ")  # place, segment id, offset, length, checksu
 STAGE = struct.Struct("<Q")
 
 FLAG_STOP_AT_FIRST_MISS = 1
+FLAG_FILES = 2
 MAX_TABLE_BYTES = 64 << 20
 MAX_HELLO_BYTES = 8 << 10
 MAX_FDS = 250  # file descriptors per sendmsg (the kernel's limit is 253)
@@ -112,6 +119,10 @@ class Place(enum.IntEnum):
     MISSING = 0
     SHARED = 1  # in a segment: copy it out (under the connection's lease)
     INLINE = 2  # its bytes follow the reply on the socket (a small value, or one not in a segment)
+    # In a disk-tier record file whose read-only fd rides on the entries (FLAG_FILES): the
+    # entry's offset is where the record's key starts, its segment field the key's length,
+    # then length bytes of value; checksum: xxh3-64 of key and value (the record's own).
+    FILE = 3
 
 
 def request(op: Op, count: int = 0, table_len: int = 0, flags: int = 0) -> bytes:
@@ -163,3 +174,43 @@ def copy_checked_py(dst: memoryview, *sources: memoryview) -> int:
             h.update(part)
         pos += n
     return h.intdigest()
+
+
+def read_checked(fd: int, offset: int, dst: memoryview, prefix_len: int) -> int:
+    """Reads ``prefix_len`` bytes of file ``fd`` at ``offset`` (hashed, not kept), then
+    ``dst.nbytes`` more into ``dst``, and returns the xxh3-64 of all of them, each block
+    hashed right after it is read. OSError on a read error, EOFError when the file ends
+    first. In C without the GIL where ``_copyhash`` is built, else ``read_checked_py``."""
+    if _copyhash is not None:
+        got: int = _copyhash.read_checked(fd, offset, dst, prefix_len)
+        return got
+    return read_checked_py(fd, offset, dst, prefix_len)
+
+
+def read_checked_py(fd: int, offset: int, dst: memoryview, prefix_len: int) -> int:
+    """``read_checked`` in pure Python: ``os.preadv`` per block."""
+    if fd < 0 or offset < 0 or not 0 <= prefix_len <= 0xFFFF:
+        raise ValueError(f"read_checked: fd {fd}, offset {offset}, prefix_len {prefix_len}")
+    dst = memoryview(dst).cast("B")
+    if dst.readonly:
+        raise BufferError("Object is not writable.")
+    h = xxhash.xxh3_64()
+    head = bytearray(prefix_len)
+    _pread_full(fd, memoryview(head), offset)
+    h.update(head)
+    pos = offset + prefix_len
+    for start in range(0, dst.nbytes, BLOCK):
+        part = dst[start : start + BLOCK]
+        _pread_full(fd, part, pos)
+        h.update(part)
+        pos += part.nbytes
+    return h.intdigest()
+
+
+def _pread_full(fd: int, view: memoryview, pos: int) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = os.preadv(fd, [view[got:]], pos + got)
+        if not n:
+            raise EOFError(f"read_checked: the file ended at offset {pos + got}")
+        got += n

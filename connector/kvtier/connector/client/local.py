@@ -8,6 +8,10 @@ mapped once per connection), and the client copies the values out into its recei
 buffers (``kvtier.proto.buffers.ReceiveBuffers``), checking each value's checksum in the
 same pass, then releases its lease; a Put writes the values into the connection's
 staging segment (one the tier gave it) and the tier copies them into its own memory.
+A value the tier holds only on disk arrives as its record file (a read-only descriptor,
+``FLAG_FILES``): the client reads the value from the page cache itself and checks the
+record's checksum (``localwire.read_checked``); a record that fails it is deleted and is
+a miss, as when the tier finds one.
 
 Integrity: the tier does not reuse a leased value's memory, and if it ends a lease (a
 client too slow for ``--data-timeout``) it closes the connection *first*: so a Get whose
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import logging
 import mmap
 import os
 import socket
@@ -45,6 +50,8 @@ from kvtier.proto import cache_pb2
 from kvtier.proto import localwire as lw
 from kvtier.proto.buffers import ReceiveBuffers
 from kvtier.proto.localwire import Op, Place, Status
+
+logger = logging.getLogger(__name__)
 
 STAGING_ROUND = 1 << 20
 # Values start at multiples of 64 bytes in the staging segment: the tier copies each one
@@ -157,6 +164,40 @@ class _Conn:
         return False
 
 
+class _FileValue:
+    """A Get's FILE entry: a record file's descriptor, where its key starts, its key's
+    length and its checksum; the value goes into ``buf``, entry ``index`` of the Get."""
+
+    __slots__ = ("buf", "checksum", "fd", "index", "key_len", "offset")
+
+    def __init__(self, index: int, buf: memoryview, fd: int, offset: int, key_len: int, checksum: int) -> None:
+        self.index, self.buf, self.fd = index, buf, fd
+        self.offset, self.key_len, self.checksum = offset, key_len, checksum
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _read_files(files: list[_FileValue]) -> list[int]:
+    """Reads each record file's key and value (the value into its buffer) and checks the
+    record's checksum; returns the entries that failed it (or ended early)."""
+    corrupt = []
+    for f in files:
+        try:
+            got = lw.read_checked(f.fd, f.offset, f.buf, f.key_len)
+        except EOFError:
+            corrupt.append(f.index)
+            continue
+        except OSError as exc:
+            raise Broken(f"reading a record file of the tier failed: {exc}") from exc
+        if got != f.checksum:
+            corrupt.append(f.index)
+    return corrupt
+
+
 def _aligned(offset: int) -> int:
     """``offset`` rounded up to a multiple of ``ALIGN``."""
     return -(-offset // ALIGN) * ALIGN
@@ -211,7 +252,7 @@ class LocalTransport(ConnectionPool[_Conn]):
         return self._call("Stats", call, timeout_s)
 
     def get(self, keys: Sequence[bytes], *, stop_at_first_miss: bool, timeout_s: float) -> Values:
-        flags = lw.FLAG_STOP_AT_FIRST_MISS if stop_at_first_miss else 0
+        flags = lw.FLAG_FILES | (lw.FLAG_STOP_AT_FIRST_MISS if stop_at_first_miss else 0)
         table = lw.key_table(list(keys))
         request = lw.request(Op.GET, len(keys), len(table), flags)
 
@@ -223,26 +264,46 @@ class LocalTransport(ConnectionPool[_Conn]):
             entries = [lw.ENTRY.unpack_from(raw, i * lw.ENTRY.size) for i in range(count)]
             out: Values = []
             shared: list[tuple[memoryview, memoryview, int]] = []  # destination, source, checksum
-            for place, segment, offset, length, crc in entries:
-                if place == Place.MISSING:
-                    out.append(None)
-                    continue
-                buf = memoryview(self.buffers.take(length))
-                if place == Place.INLINE:
-                    conn.recv_into(buf, deadline)  # inline values follow the entries, in order
-                else:
-                    source = conn.segments.get(segment)
-                    if source is None or offset + length > source.nbytes:
-                        raise ConnectionError(f"the tier named bytes outside segment {segment}")
-                    shared.append((buf, source[offset : offset + length], crc))
-                out.append(buf.toreadonly())
-            for i, (buf, source, crc) in enumerate(shared):
-                if lw.copy_checked(buf, source) != crc:
-                    raise Broken(f"value {i} of the Get failed its checksum after the copy")
-            if shared:
-                if not conn.still_open():
-                    raise Broken("the tier ended this connection's lease during the copy")
-                conn.send([lw.request(Op.RELEASE)], deadline)
+            files: list[_FileValue] = []
+            try:
+                for place, segment, offset, length, crc in entries:
+                    if place == Place.MISSING:
+                        out.append(None)
+                        continue
+                    buf = memoryview(self.buffers.take(length))
+                    if place == Place.INLINE:
+                        conn.recv_into(buf, deadline)  # inline values follow the entries, in order
+                    elif place == Place.FILE:
+                        if not conn.fds:
+                            raise ConnectionError("the tier named a record file but sent no descriptor")
+                        files.append(_FileValue(len(out), buf, conn.fds.popleft(), offset, segment, crc))
+                    else:
+                        source = conn.segments.get(segment)
+                        if source is None or offset + length > source.nbytes:
+                            raise ConnectionError(f"the tier named bytes outside segment {segment}")
+                        shared.append((buf, source[offset : offset + length], crc))
+                    out.append(buf.toreadonly())
+                for i, (buf, source, crc) in enumerate(shared):
+                    if lw.copy_checked(buf, source) != crc:
+                        raise Broken(f"value {i} of the Get failed its checksum after the copy")
+                if shared:
+                    if not conn.still_open():
+                        raise Broken("the tier ended this connection's lease during the copy")
+                    conn.send([lw.request(Op.RELEASE)], deadline)
+                corrupt = _read_files(files)
+            finally:
+                for f in files:
+                    f.close()
+            if corrupt:  # as the tier does with a record that fails verification: deleted, a miss
+                logger.warning("kvtier: %d record file(s) of the tier failed their checksum; "
+                               "deleting them", len(corrupt))  # fmt: skip
+                bad = lw.key_table([keys[i] for i in corrupt])
+                conn.send([lw.request(Op.DELETE, len(corrupt), len(bad)), bad], deadline)
+                conn.reply(Op.DELETE, deadline)
+                for i in corrupt:
+                    out[i] = None
+                if stop_at_first_miss:
+                    del out[corrupt[0] + 1 :]
             return out
 
         return self._call("Get", call, timeout_s)
