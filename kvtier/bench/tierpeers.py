@@ -40,7 +40,9 @@ server CPU to) and a client adapter with two calls, ``put(keys, value)`` and
 
 The kvtier and raw TCP clients give the values of each GET back once checked
 (``TierClient.recycle``, as the connector's worker does once a load is copied into
-the KV cache; ``RawClient.recycle``), so later GETs receive into that memory;
+the KV cache; ``RawClient.recycle``), so later GETs receive into that memory (the
+kvtier clients keep up to ``RECEIVE_POOL_BYTES``: a batch of every size, as the raw
+TCP, memcpy and plain file clients keep a spare of every size they saw);
 redis-py's and LMCache's clients allocate each value (they have no such call).
 
 An experiment, run only when ``--backends`` names it: ``kvtier RAM no-recycle``,
@@ -83,6 +85,12 @@ BACKENDS = (
     "kvtier Redis same-node",
 )
 EXPERIMENTS = ("kvtier RAM no-recycle",)  # run only when named in --backends
+# The kvtier clients' pool of received buffers: room for a batch of every size a run
+# measures, as the baselines keep a spare of every size they saw (an engine's pool holds
+# one size, its chunks', and the connector's default 256 MiB is plenty for that; a run
+# that rotates through four sizes would otherwise receive each size's first batch into
+# new memory, which costs more than the bytes: docs/benchmarks.md, "Same-node copies").
+RECEIVE_POOL_BYTES = 1 << 30
 
 
 def free_port() -> int:
@@ -434,7 +442,7 @@ class KvtierAdapter:
                 frame_bytes=frame_bytes,
                 data_path=data_path,
                 local_socket=local_socket,
-                **({} if recycle else {"receive_buffer_bytes": 0}),
+                receive_buffer_bytes=RECEIVE_POOL_BYTES if recycle else 0,
             )
         finally:
             grpc.insecure_channel = channel

@@ -122,3 +122,81 @@ async def test_read_buffers_stay_within_their_bound(tmp_path: Path) -> None:
     held = [await tier.get(f"k{i}".encode()) for i in range(6)]
     assert sum(map(len, tier._read_buffers._kept)) <= 5 << 20
     assert [bytes(v[:1]) for v in held if v is not None] == [bytes([i]) for i in range(6)]
+
+
+# -- open_record: a same-node client reads the record file itself ----------------------
+
+
+def evict_from_page_cache(path: Path) -> None:
+    """Drops the file's pages from the page cache (clean pages only: written back first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_record(opened: record.RecordFile) -> tuple[bytes, bytes]:
+    key = os.pread(opened.fd, opened.key_len, record.HEADER_SIZE)
+    value = os.pread(opened.fd, opened.value_len, record.HEADER_SIZE + opened.key_len)
+    assert record.checksum(key, value) == opened.checksum
+    return key, value
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["on the event loop", "in a thread"])
+async def test_open_record_hands_over_the_record_file_with_its_header_checked(
+    tmp_path: Path, cached: bool
+) -> None:
+    tier = await opened(tmp_path)
+    value = os.urandom(3 << 20)
+    assert await tier.put(b"k", value)
+    (path,) = files(tmp_path)
+    if not cached:
+        evict_from_page_cache(path)
+        assert record.open_file_nowait(path, b"k") is None  # the header would need the disk
+    else:
+        on_the_spot = record.open_file_nowait(path, b"k")
+        assert on_the_spot is not None
+        on_the_spot.close()
+    got = await tier.open_record(b"k")
+    assert got is not None
+    try:
+        assert read_record(got) == (b"k", value) and got.nbytes == len(value)
+    finally:
+        got.close()
+    assert tier.counters.hits == 1 and await tier.open_record(b"absent") is None
+
+
+async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_record(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    old, new = os.urandom(1 << 20), os.urandom(1 << 20)
+    await tier.put(b"k", old)
+    got = await tier.open_record(b"k")
+    assert got is not None
+    await tier.put(b"k", new)  # written aside, renamed over the old file
+    await tier.delete([b"k"])
+    try:
+        assert read_record(got) == (b"k", old)
+    finally:
+        got.close()
+
+
+@pytest.mark.parametrize("damage", ["another key's record", "a truncated file", "bad magic"])
+async def test_open_record_of_a_bad_header_is_a_miss_deleted_and_counted(tmp_path: Path, damage: str) -> None:
+    tier = await opened(tmp_path)
+    await tier.put(b"a", os.urandom(4096))
+    await tier.put(b"b", os.urandom(4096))
+    path_a, path_b = tier._path(b"a"), tier._path(b"b")
+    if damage == "another key's record":
+        shutil.copyfile(path_b, path_a)
+    elif damage == "a truncated file":
+        os.truncate(path_a, path_a.stat().st_size - 1)
+    else:
+        with path_a.open("r+b") as f:
+            f.write(b"XXXX")
+    assert await tier.open_record(b"a") is None
+    assert not path_a.exists() and tier.counters.verification_failures == 1
+    got = await tier.open_record(b"b")
+    assert got is not None
+    got.close()

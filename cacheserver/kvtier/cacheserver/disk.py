@@ -188,12 +188,15 @@ class DiskTier:
             return None
         path = self._path(key)
         writes = self._writes_done
-        opening = asyncio.ensure_future(asyncio.to_thread(record.open_file, path, key))
         try:
-            opened = await asyncio.shield(opening)  # cancelled (a deadline): closed once open
-        except asyncio.CancelledError:
-            opening.add_done_callback(_close_opened)
-            raise
+            opened = record.open_file_nowait(path, key)  # here when that needs no I/O
+            if opened is None:
+                opening = asyncio.ensure_future(asyncio.to_thread(record.open_file, path, key))
+                try:
+                    opened = await asyncio.shield(opening)  # cancelled (a deadline): closed once open
+                except asyncio.CancelledError:
+                    opening.add_done_callback(_close_opened)
+                    raise
         except FileNotFoundError:
             self._vanished(key, writes)
             return None

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import xxhash
 from typing_extensions import Buffer
 
+from kvtier.cacheserver import nowait
+
 MAGIC = b"KVTR"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHQQ")
@@ -108,6 +110,35 @@ def open_file(path: str | os.PathLike[str], key: bytes) -> RecordFile:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         head = os.pread(fd, HEADER_SIZE + len(key), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _checked(fd, key, head)
+
+
+def open_file_nowait(path: str | os.PathLike[str], key: bytes) -> RecordFile | None:
+    """``open_file`` if it needs no I/O (the path in the dentry cache, the header in the
+    page cache: ``kvtier.cacheserver.nowait``), else None: then ``open_file`` in a thread."""
+    fd = nowait.open_cached(path)
+    if fd is None:
+        return None
+    head = bytearray(HEADER_SIZE + len(key))
+    try:
+        n = os.preadv(fd, [head], 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        n = -1
+    except BaseException:
+        os.close(fd)
+        raise
+    if n != len(head):  # not all in the page cache (or a short file: open_file judges)
+        os.close(fd)
+        return None
+    return _checked(fd, key, bytes(head))
+
+
+def _checked(fd: int, key: bytes, head: bytes) -> RecordFile:
+    """The open record ``fd`` whose first bytes are ``head``, checked (closed if it fails)."""
+    try:
         stored_key, value_len, crc = parse_header(head)
         if stored_key != key:
             raise CorruptRecord("record belongs to another key")
