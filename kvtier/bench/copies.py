@@ -1,7 +1,7 @@
 """What one in-memory copy costs on this machine: the figures behind the same-node
 transport's design (docs/benchmarks.md, "Same-node copies and alignment").
 
-    python -m kvtier.bench.copies [--mib 64] [--repeat 10]
+    python -m kvtier.bench.copies [--mib 64] [--repeat 10] [--dir DIR]
 
 Prints GB/s (best of ``--repeat``) of:
 
@@ -12,7 +12,11 @@ Prints GB/s (best of ``--repeat``) of:
   at the aligned case and the case of a ``bytearray`` receive buffer (data at 16);
 - a copy into pages touched before against one into pages never touched (a new memfd
   segment, or memory the kernel must first allocate and zero): what a tier pays for a
-  value that lands in fresh memory instead of memory it recycled.
+  value that lands in fresh memory instead of memory it recycled;
+- reading a file from the page cache into a buffer touched before: ``readinto`` (the
+  ``plain file`` baseline of ``kvtier bench tier``) against ``read_checked`` (pread and
+  xxh3-64 block by block: a same-node client reading a disk-tier record file), C and
+  pure Python.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mib", type=int, default=64, help="bytes per copy, MiB (default 64)")
     parser.add_argument("--repeat", type=int, default=10, help="copies per figure (default 10)")
+    parser.add_argument("--dir", default=None, help="where the file read last lives (default: the temp dir)")
     args = parser.parse_args(argv)
     n = args.mib << 20
     block = localwire.BLOCK
@@ -109,6 +115,29 @@ def main(argv: list[str] | None = None) -> None:
         view.release()
         segment.close()
     print(f"  into touched memory {touched:6.2f}   into a new memfd {max(fresh_rates):6.2f}")
+
+    print("\na file in the page cache read into memory touched before:")
+    with tempfile.NamedTemporaryFile(dir=args.dir) as f:
+        f.write(payload)
+        f.flush()
+        dst = memoryview(target)[:n]
+
+        def readinto() -> None:
+            with open(f.name, "rb", buffering=0) as again:
+                again.readinto(dst)
+
+        fd = f.fileno()
+        c = (
+            f"{_rate(n, partial(helper.read_checked, fd, 0, dst, 0), args.repeat):6.2f}"
+            if helper is not None
+            else "  (not built)"
+        )
+        py = _rate(n, partial(localwire.read_checked_py, fd, 0, dst, 0), args.repeat)
+        print(
+            f"  readinto {_rate(n, readinto, args.repeat):6.2f}   read_checked: C {c}   "
+            f"pure Python {py:6.2f}"
+        )
+        dst.release()
 
 if __name__ == "__main__":
     main()
