@@ -10,6 +10,7 @@ is ``KVTIER_FUZZ_EXAMPLES=20000 scripts/test tests/cacheserver/test_fuzz_local.p
 
 from __future__ import annotations
 
+import array
 import os
 import socket
 from collections.abc import Iterator
@@ -38,6 +39,9 @@ def fuzz_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierProcess]
     tier = TierProcess.start(
         tmp_path_factory.mktemp("fuzz-local"),
         "--max-value-bytes", "1MiB", "--incoming-bytes", "4MiB", "--max-keys", "64",
+        # k2 fits no RAM tier of 200 KiB: it lives on disk only, and a GET that sets
+        # FLAG_FILES is answered with its record file
+        "--ram-bytes", "200KiB", "--write-policy", "write-through",
         local_socket=True,
     )  # fmt: skip
     with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
@@ -61,9 +65,13 @@ def exchange(path: str, data: bytes) -> list[int]:
         received = b""
         while True:
             try:
-                chunk, _, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(lw.MAX_FDS * 4))
+                chunk, ancillary, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(lw.MAX_FDS * 4))
             except ConnectionResetError:
                 break
+            for level, kind, fds in ancillary:  # segments and record files handed over
+                if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                    for fd in array.array("i", fds[: len(fds) - len(fds) % 4]):
+                        os.close(fd)
             if not chunk:
                 break
             received += chunk
@@ -75,7 +83,7 @@ def exchange(path: str, data: bytes) -> list[int]:
     return statuses
 
 
-keys = st.lists(st.binary(min_size=0, max_size=300), max_size=5)
+keys = st.lists(st.one_of(st.sampled_from([b"k0", b"k1", b"k2"]), st.binary(max_size=300)), max_size=5)
 key_table = keys.map(lambda ks: lw.key_table([k[:0xFFFF] for k in ks]))
 put_items = st.lists(
     st.tuples(
@@ -128,3 +136,5 @@ def test_the_tier_survived_the_fuzz_without_an_unhandled_exception(fuzz_tier: Ti
     assert 'code="INTERNAL"' not in metrics
     assert fuzz_tier.metric("kvtier_server_incoming_bytes") == 0  # every staging segment went with its connection
     assert fuzz_tier.metric("kvtier_local_leased_bytes") == 0
+    assert fuzz_tier.metric("kvtier_tier_hits_total", tier="disk") > 0  # record files were handed over
+    assert len(os.listdir(f"/proc/{fuzz_tier.proc.pid}/fd")) < 100  # and closed after
