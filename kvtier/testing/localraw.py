@@ -120,6 +120,10 @@ class RawLocal:
     def get(self, keys: list[bytes], flags: int = 0) -> tuple[Reply, list[Entry]]:
         """A GET: the reply and its entries (inline values read); new segments mapped."""
         self.request(Op.GET, lw.key_table(keys), len(keys), flags)
+        return self.read_get_reply()
+
+    def read_get_reply(self) -> tuple[Reply, list[Entry]]:
+        """The reply to a GET sent before (``request``), as ``get`` reads it."""
         reply = self.reply()
         if reply.status != lw.Status.OK:
             return reply, []

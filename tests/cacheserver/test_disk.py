@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -144,28 +146,63 @@ def read_record(opened: record.RecordFile) -> tuple[bytes, bytes]:
     return key, value
 
 
-@pytest.mark.parametrize("cached", [True, False], ids=["on the event loop", "in a thread"])
+@pytest.mark.parametrize("path", ["on the event loop", "in a thread"])
 async def test_open_record_hands_over_the_record_file_with_its_header_checked(
-    tmp_path: Path, cached: bool
+    tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = await opened(tmp_path)
     value = os.urandom(3 << 20)
     assert await tier.put(b"k", value)
-    (path,) = files(tmp_path)
-    if not cached:
-        evict_from_page_cache(path)
-        assert record.open_file_nowait(path, b"k") is None  # the header would need the disk
+    (file,) = files(tmp_path)
+    opens: list[Path] = []
+    if path == "in a thread":  # as when the header is not in the page cache
+        monkeypatch.setattr(record, "open_file_nowait", lambda *_: None)
+        blocking = record.open_file
+        monkeypatch.setattr(record, "open_file", lambda p, k: (opens.append(p), blocking(p, k))[1])
     else:
-        on_the_spot = record.open_file_nowait(path, b"k")
-        assert on_the_spot is not None
-        on_the_spot.close()
+        probe = record.open_file_nowait(file, b"k")
+        if probe is None:
+            pytest.skip("no openat2(RESOLVE_CACHED) or RWF_NOWAIT reads on this kernel and file system")
+        probe.close()
     got = await tier.open_record(b"k")
     assert got is not None
     try:
         assert read_record(got) == (b"k", value) and got.nbytes == len(value)
     finally:
         got.close()
+    assert opens == ([file] if path == "in a thread" else [])
     assert tier.counters.hits == 1 and await tier.open_record(b"absent") is None
+
+
+async def test_a_record_whose_header_is_not_in_the_page_cache_is_not_opened_on_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    tier = await opened(tmp_path)
+    await tier.put(b"k", os.urandom(1 << 20))
+    (file,) = files(tmp_path)
+    evict_from_page_cache(file)
+    assert record.open_file_nowait(file, b"k") is None  # it would wait for the disk
+
+
+async def test_open_record_out_of_descriptors_is_a_miss_not_a_failed_tier(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    await tier.put(b"k", os.urandom(1 << 20))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        assert await tier.open_record(b"k") is None
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert tier.counters.misses == 1 and b"k" in tier.lru  # still indexed: served once it can be
+    got = await tier.open_record(b"k")
+    assert got is not None
+    got.close()
 
 
 async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_record(tmp_path: Path) -> None:

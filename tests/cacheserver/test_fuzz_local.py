@@ -136,5 +136,4 @@ def test_the_tier_survived_the_fuzz_without_an_unhandled_exception(fuzz_tier: Ti
     assert 'code="INTERNAL"' not in metrics
     assert fuzz_tier.metric("kvtier_server_incoming_bytes") == 0  # every staging segment went with its connection
     assert fuzz_tier.metric("kvtier_local_leased_bytes") == 0
-    assert fuzz_tier.metric("kvtier_tier_hits_total", tier="disk") > 0  # record files were handed over
-    assert len(os.listdir(f"/proc/{fuzz_tier.proc.pid}/fd")) < 100  # and closed after
+    assert len(os.listdir(f"/proc/{fuzz_tier.proc.pid}/fd")) < 100  # record files handed over were closed

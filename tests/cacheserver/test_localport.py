@@ -555,6 +555,49 @@ def test_a_record_file_replaced_or_deleted_after_the_reply_still_reads_whole(dis
         assert as_bytes(c.get([b"r", b"gone"])) == [new, None]
 
 
+def test_one_reply_hands_over_segments_and_record_files_together(start_tier: Callable[..., TierProcess]) -> None:
+    tier = start_tier("--ram-bytes", "3MiB", "--write-policy", "write-through", local_socket=True)
+    in_ram, on_disk = value(MIB, 1), value(5 * MIB, 2)  # the second fits no RAM tier of 3 MiB
+    with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
+        c.put([(b"ram", in_ram), (b"disk", on_disk)])
+    with RawLocal(tier.local_socket, "") as raw:  # a new connection: the segment is handed over too
+        reply, (e_ram, e_disk) = raw.get([b"ram", b"disk"], flags=lw.FLAG_FILES)
+        assert reply.extra == 1 and (e_ram.place, e_disk.place) == (Place.SHARED, Place.FILE)
+        assert raw.read(e_ram) == in_ram and raw.read(e_disk) == on_disk
+        raw.release()
+    with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
+        assert as_bytes(c.get([b"disk", b"ram"])) == [on_disk, in_ram]
+
+
+def test_a_reply_hands_over_at_most_max_fds_record_files(disk_tier: TierProcess) -> None:
+    data = value(100_000, 3)
+    with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
+        c.put([(b"k", data)])
+        keys = [b"k"] * (lw.MAX_FDS + 50)  # one key named again and again: a descriptor each time
+        with RawLocal(disk_tier.local_socket, "") as raw:
+            _, entries = raw.get(keys, flags=lw.FLAG_FILES)
+            places = [e.place for e in entries]
+            assert places == [Place.FILE] * lw.MAX_FDS + [Place.INLINE] * 50
+            assert {raw.read(e) for e in entries} == {data}
+        assert as_bytes(c.get(keys)) == [data] * len(keys)
+    assert disk_tier.metric("kvtier_tier_errors_total", tier="disk", op="get") == 0
+
+
+def test_no_record_files_while_the_client_has_not_read_what_it_was_sent(disk_tier: TierProcess) -> None:
+    """Descriptors sent but not received count against the tier's own limit: a client that
+    sends GETs without reading the replies gets one reply's files, then values inline."""
+    data = value(200_000, 4)
+    with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
+        c.put([(b"k", data)])
+    with RawLocal(disk_tier.local_socket, "") as raw:
+        for _ in range(2):
+            raw.request(Op.GET, lw.key_table([b"k"]), 1, lw.FLAG_FILES)
+        assert wait_for(lambda: disk_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 2)
+        first, second = (raw.read_get_reply() for _ in range(2))
+        assert [e.place for e in first[1]] == [Place.FILE]
+        assert [e.place for e in second[1]] == [Place.INLINE] and second[1][0].inline == data
+
+
 @pytest.mark.parametrize("damage", ["a flipped value byte", "a truncated value"])
 def test_a_corrupt_record_file_is_a_miss_and_deleted_and_its_bytes_never_returned(
     disk_tier: TierProcess, damage: str
@@ -579,8 +622,12 @@ def test_a_corrupt_record_file_is_a_miss_and_deleted_and_its_bytes_never_returne
         assert record_files(disk_tier) == [p for p in before if p.exists()]  # both deleted
         assert c.lookup([b"bad1"]) == 0 and c.lookup([b"bad2"]) == 0
         assert as_bytes(c.get([b"good"])) == [good]
-    if damage == "a truncated value":  # counted where it was found
-        assert disk_tier.metric("kvtier_tier_verification_failures_total", tier="disk") == 2
+    failures = disk_tier.metric("kvtier_tier_verification_failures_total", tier="disk")
+    deletes = disk_tier.metric("kvtier_server_requests_total", op="LocalDelete", code="OK")
+    if damage == "a flipped value byte":  # the tier never read the value: the client found it, deleted it
+        assert (failures, deletes) == (0, 2)
+    else:  # the tier's check of the header against the file's size found it
+        assert (failures, deletes) == (2, 0)
 
 
 def test_record_files_are_a_tenants_own(start_tier: Callable[..., TierProcess], tokens_dir: Path) -> None:

@@ -164,25 +164,26 @@ class RequestCore:
 
     @overload
     def get(
-        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: Literal[False] = False
+        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: Literal[0] = 0
     ) -> AsyncGenerator[tuple[int, Value | None], None]: ...
 
     @overload
     def get(
-        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: bool
+        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: int
     ) -> AsyncGenerator[tuple[int, Value | RecordFile | None], None]: ...
 
     async def get(
-        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: bool = False
+        self, tenant: str, keys: Sequence[bytes], stop_at_first_miss: bool, *, files: int = 0
     ) -> AsyncGenerator[tuple[int, Value | RecordFile | None], None]:
         """Yields (index, value or None) in request order; a value counts as sent once the
         edge asks for the next one. ``files`` (the same-node edge, for a client that reads
-        record files itself): a disk-tier hit is its record file, opened (``RecordFile``;
-        the edge closes it)."""
-        hits = misses = 0
+        record files itself): up to that many disk-tier hits are their record files,
+        opened (``RecordFile``; the edge closes them), later ones values."""
+        hits = misses = opened = 0
         try:
             for index, key in enumerate(keys):
-                value = await self.store.get(scoped(tenant, key), files=files)
+                value = await self.store.get(scoped(tenant, key), files=opened < files)
+                opened += isinstance(value, RecordFile)
                 if value is None:
                     misses += 1
                     yield index, None

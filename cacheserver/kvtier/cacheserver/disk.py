@@ -182,7 +182,8 @@ class DiskTier:
 
     async def open_record(self, key: bytes) -> record.RecordFile | None:
         """``get`` for a same-node client that reads the record itself: the record's file
-        opened read-only, its header checked, its value not read (the caller closes it)."""
+        opened read-only, its header checked, its value not read (the caller closes it).
+        A miss, not a failure of the tier, when the process can open no more files."""
         if key not in self.lru:
             self.counters.miss(key)
             return None
@@ -201,6 +202,10 @@ class DiskTier:
             self._vanished(key, writes)
             return None
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # out of descriptors: no fault of the disk
+                logger.warning("disk tier: no descriptor for a record file (%s); a miss", exc.strerror)
+                self.counters.miss(key)
+                return None
             raise TierFailure("disk", f"open failed: {exc.strerror}") from exc
         except record.CorruptRecord as exc:
             await self._corrupt(key, exc)

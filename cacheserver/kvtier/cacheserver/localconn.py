@@ -14,7 +14,9 @@ requests (``kvtier.proto.localwire``) until EOF, a stream it cannot parse, a sta
   rides on the reply (``SCM_RIGHTS``) and the client reads and checks key and value
   itself; the tier never reads the value. Record files are never rewritten in place
   (written aside, renamed), so no lease is needed: a file replaced or removed meanwhile
-  stays readable through the descriptor, whole.
+  stays readable through the descriptor, whole. At most ``MAX_FDS`` files per reply, and
+  none while the client has not read everything sent to it before (values then go
+  inline): descriptors in flight count against the tier's own limit.
 - A PUT copies values out of the connection's staging segment (STAGE) into the tier's
   own memory and checks each one's checksum on what it copied.
 - Every request passes the request core (``kvtier.cacheserver.core``): the HELLO's
@@ -29,9 +31,11 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import termios
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -340,7 +344,11 @@ class LocalConnection:
         handed: list[int] = []  # segments whose fds go with this reply
         opened: list[tuple[int, RecordFile]] = []  # (entry index, record file) of FILE entries
         n = 0
-        values = self.core.get(tenant, keys, stop_at_first_miss, files=files)
+        # Record files for at most MAX_FDS values, and only when the client has read all
+        # we sent it before: descriptors sent but not yet received count against the tier's
+        # own descriptor limit, so a client that never reads holds at most one reply's.
+        budget = lw.MAX_FDS if files and self._peer_read_all() else 0
+        values = self.core.get(tenant, keys, stop_at_first_miss, files=budget)
         try:
             async with contextlib.aclosing(values):
                 async for _, value in values:
@@ -387,6 +395,15 @@ class LocalConnection:
         finally:
             for _, opened_file in opened:
                 opened_file.close()  # the client holds its own descriptors now
+
+    def _peer_read_all(self) -> bool:
+        """Whether the client has received every byte (and descriptor) sent to it so far."""
+        try:
+            queued = array.array("i", [0])
+            fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, queued)  # SIOCOUTQ
+        except OSError:
+            return False
+        return queued[0] == 0
 
     async def _send_entries(self, entries: bytearray, opened: list[tuple[int, RecordFile]]) -> None:
         """Sends a Get's entries, the fds of its FILE entries riding on them: at most

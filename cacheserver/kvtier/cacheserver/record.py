@@ -125,7 +125,7 @@ def open_file_nowait(path: str | os.PathLike[str], key: bytes) -> RecordFile | N
     head = bytearray(HEADER_SIZE + len(key))
     try:
         n = os.preadv(fd, [head], 0, os.RWF_NOWAIT)
-    except BlockingIOError:
+    except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: a file system without it
         n = -1
     except BaseException:
         os.close(fd)

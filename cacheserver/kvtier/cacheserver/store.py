@@ -126,6 +126,7 @@ class TieredStore:
         self.policy = policy
         self.metrics = metrics
         self._healthy = {t.name: True for t in self.tiers}
+        self._file_tiers = {t.name for t in self.tiers if isinstance(t, FileTier)}  # checked once
         self._behind = {
             t.name: _WriteBehind(policy.write_behind_values, policy.write_behind_bytes)
             for t in self.tiers[1:]
@@ -217,7 +218,7 @@ class TieredStore:
             held = pending.held(key) if pending is not None else None
             if held is not None:
                 return held
-            if files and isinstance(tier, FileTier):
+            if files and tier.name in self._file_tiers and isinstance(tier, FileTier):
                 with contextlib.suppress(_Skip):
                     opened = await self._call(tier, "get", partial(tier.open_record, key))
                     if opened is not None:
