@@ -6,13 +6,15 @@ import contextlib
 import os
 import resource
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvtier.cacheserver import record
 from kvtier.cacheserver.disk import DiskTier
-from kvtier.cacheserver.errors import TierFailure
+from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
 
 
 async def opened(directory: Path, capacity: int = 10 << 20) -> DiskTier:
@@ -237,3 +239,37 @@ async def test_open_record_of_a_bad_header_is_a_miss_deleted_and_counted(tmp_pat
     got = await tier.open_record(b"b")
     assert got is not None
     got.close()
+
+
+# -- put_checked: a value written straight from memory its sender can still change --------
+
+
+async def test_put_checked_writes_the_same_record_as_put(tmp_path: Path) -> None:
+    value = os.urandom(3 * (256 << 10) + 17)
+    a = await opened(tmp_path / "a")
+    b = await opened(tmp_path / "b")
+    assert await a.put(b"k", value)
+    assert await b.put_checked(b"k", memoryview(bytearray(value)), xxhash.xxh3_64_intdigest(value))
+    assert [p.read_bytes() for p in files(tmp_path / "a")] == [p.read_bytes() for p in files(tmp_path / "b")]
+    assert stat.S_IMODE(files(tmp_path / "b")[0].stat().st_mode) == 0o400
+    got = await b.get(b"k")
+    assert got is not None and bytes(got) == value
+    assert a.usage() == b.usage()
+
+
+async def test_put_checked_of_bytes_that_do_not_match_stores_nothing_and_keeps_the_older_value(
+    tmp_path: Path,
+) -> None:
+    tier = await opened(tmp_path)
+    assert await tier.put(b"k", b"old" * 1000)
+    before = tier.usage()
+    new = os.urandom(100_000)
+    with pytest.raises(ChecksumMismatch):
+        await tier.put_checked(b"k", memoryview(new), xxhash.xxh3_64_intdigest(new) ^ 1)
+    with pytest.raises(ChecksumMismatch):
+        await tier.put_checked(b"other", memoryview(new), 0)
+    assert list((tmp_path / "tmp").iterdir()) == []  # the refused files went
+    assert len(files(tmp_path)) == 1 and tier.usage() == before
+    got = await tier.get(b"k")
+    assert got is not None and bytes(got) == b"old" * 1000
+    assert await tier.get(b"other") is None

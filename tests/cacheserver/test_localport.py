@@ -360,6 +360,56 @@ def test_a_put_whose_staged_bytes_do_not_match_its_checksum_stores_nothing_of_it
     assert as_bytes(client.get([b"good", b"bad", b"outside"], stop_at_first_miss=False)) == [good, None, None]
 
 
+@pytest.mark.parametrize("where", ["ram", "disk"])
+def test_staged_bytes_changed_while_the_tier_stores_them_are_refused_never_stored_torn(
+    start_tier: Callable[..., TierProcess], where: str
+) -> None:
+    """The client keeps writing its staging segment while the tier stores a value from it:
+    into RAM the tier copies it first; to a disk-only tier, written through, the tier writes
+    the record file straight from the segment (``DiskTier.put_checked``). Either way the
+    value is stored as staged (the checksum matches) or refused, never a mix."""
+    import mmap
+    import threading
+
+    size = 16 * MIB
+    flags = ("--ram-bytes", "1", "--write-policy", "write-through") if where == "disk" else ()
+    tier = start_tier(*flags, "--max-value-bytes", "80MiB", local_socket=True)
+    staged = value(size, 7)
+    outcomes = []
+    with RawLocal(tier.local_socket, "") as raw:
+        _, fd = raw.stage(size)
+        assert fd is not None
+        staging = mmap.mmap(fd, size)
+        for attempt in range(6):
+            staging[:] = staged
+            stop = threading.Event()
+
+            def flip(stop: threading.Event = stop) -> None:
+                while not stop.is_set():  # bytes across the value change and change back
+                    for pos in range(0, size, 1 << 20):
+                        staging[pos] ^= 0xFF
+            flipper = threading.Thread(target=flip) if attempt else None  # the first: untouched
+            if flipper is not None:
+                flipper.start()
+            try:
+                reply = raw.put([(b"v%d" % attempt, 0, size, lw.checksum(staged))])
+            finally:
+                stop.set()
+                if flipper is not None:
+                    flipper.join()
+            assert reply.status in (Status.OK, Status.INVALID_ARGUMENT), reply.text
+            outcomes.append(reply.status == Status.OK)
+        staging.close()
+        os.close(fd)
+    with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
+        got = as_bytes(c.get([b"v%d" % i for i in range(6)], stop_at_first_miss=False))
+    assert got == [staged if ok else None for ok in outcomes]
+    assert outcomes[0] and not all(outcomes[1:]), outcomes  # the untouched one stored; flips refused
+    if where == "disk":
+        assert tier.metric("kvtier_tier_entries", tier="ram") == 0
+        assert len(record_files(tier)) == sum(outcomes)
+
+
 # -- limits, bad input, auth, tenants ----------------------------------------------------------
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 
+import pytest
+import xxhash
 from prometheus_client import CollectorRegistry
 
 from kvtier.cacheserver.disk import DiskTier
+from kvtier.cacheserver.errors import ChecksumMismatch
 from kvtier.cacheserver.metrics import ServerMetrics
 from kvtier.cacheserver.ram import RamTier
 from kvtier.cacheserver.store import StorePolicy, TieredStore
@@ -104,6 +108,24 @@ async def test_write_through_puts_return_after_every_tier_holds_the_value(tmp_pa
     await store.put(b"k", b"v")
     assert (await disk.contains([b"k"])) == [True]
     await store.close()
+
+
+async def test_a_value_only_the_disk_takes_is_written_from_its_source_when_written_through(tmp_path: Path) -> None:
+    big = os.urandom(2 << 20)  # larger than the 1 MiB RAM tier
+    crc = xxhash.xxh3_64_intdigest(big)
+    store, ram, disk, _ = await make_store(tmp_path / "through", write_through=True)
+    assert await store.put_checked(b"big", memoryview(big), crc) is True
+    assert (await disk.contains([b"big"])) == [True] and ram.usage().entries == 0
+    with pytest.raises(ChecksumMismatch):
+        await store.put_checked(b"bad", memoryview(big), crc ^ 1)
+    assert (await disk.contains([b"bad"])) == [False]
+    # The RAM tier takes a small value: the caller copies it (None), as it does when the
+    # disk is written behind (the copy waits in memory).
+    assert await store.put_checked(b"small", memoryview(b"v" * 100), xxhash.xxh3_64_intdigest(b"v" * 100)) is None
+    await store.close()
+    behind, _, _, _ = await make_store(tmp_path / "behind")
+    assert await behind.put_checked(b"big", memoryview(big), crc) is None
+    await behind.close()
 
 
 class GatedDisk(DiskTier):

@@ -5,7 +5,8 @@ and the pure-Python one, copy the same bytes and return xxh3-64 of them, at ever
 alignment of the two ends (the C helper exists for the misaligned ones), for values that
 span several of their blocks, for several sources, and refuse what cannot be copied whole.
 ``read_checked`` (a same-node client reading a disk-tier record file: pread and hash in one
-pass) likewise, both implementations.
+pass) likewise, both implementations, and ``write_checked`` (the disk tier writing a value
+from a same-node client's staging segment: copied aside, hashed and written in one pass).
 """
 
 from __future__ import annotations
@@ -196,3 +197,70 @@ def test_a_bad_descriptor_or_argument_is_refused(read: Callable[..., int], recor
             read(bad[0], bad[1], memoryview(bytearray(10)), bad[2])
     with pytest.raises(BufferError):
         read(fd, 0, b"read-only", 0)  # the destination must be writable
+
+
+# -- write_checked: the disk tier writing a value from a same-node client's staging segment --
+
+WRITERS: dict[str, Callable[..., tuple[int, int]]] = {
+    "c": _copyhash.write_checked,
+    "python": localwire.write_checked_py,
+}
+
+
+@pytest.fixture(params=sorted(WRITERS))
+def write(request: pytest.FixtureRequest) -> Callable[..., tuple[int, int]]:
+    return WRITERS[request.param]
+
+
+@pytest.mark.parametrize("size", [0, 1, localwire.BLOCK, 3 * localwire.BLOCK + 4321])
+@pytest.mark.parametrize("prefix", [b"", b"k", b"key" * 21845])
+def test_write_checked_writes_prefix_then_value_and_returns_both_checksums(
+    write: Callable[..., tuple[int, int]], tmp_path: Path, size: int, prefix: bytes
+) -> None:
+    value = os.urandom(size)
+    path = tmp_path / "record"
+    path.write_bytes(b"H" * 24)  # what lies before the offset stays
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        got = write(fd, 24, memoryview(bytearray(value)), prefix)
+    finally:
+        os.close(fd)
+    assert got == (xxhash.xxh3_64_intdigest(value), xxhash.xxh3_64_intdigest(prefix + value))
+    assert path.read_bytes() == b"H" * 24 + prefix + value
+
+
+def test_write_checked_from_a_shared_mapping_at_an_odd_offset(
+    write: Callable[..., tuple[int, int]], tmp_path: Path
+) -> None:
+    staging = mmap.mmap(-1, 2 * localwire.BLOCK + 100)
+    staging[:] = os.urandom(len(staging))
+    part = memoryview(staging)[7 : 7 + localwire.BLOCK + 50]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        got = write(fd, 0, part, b"")
+    finally:
+        os.close(fd)
+        expected = bytes(part)
+        part.release()
+        staging.close()
+    assert got[0] == got[1] == xxhash.xxh3_64_intdigest(expected)
+    assert (tmp_path / "f").read_bytes() == expected
+
+
+def test_write_checked_refuses_a_bad_descriptor_or_argument(
+    write: Callable[..., tuple[int, int]], tmp_path: Path
+) -> None:
+    with pytest.raises(OSError):
+        write(10_000, 0, b"value", b"k")  # not open
+    path = tmp_path / "ro"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            write(fd, 0, b"value", b"k")  # not open for writing
+        for bad in ((-1, 0, b""), (fd, -1, b""), (fd, 0, b"k" * 65536)):
+            with pytest.raises(ValueError):
+                write(bad[0], bad[1], b"value", bad[2])
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b""

@@ -214,6 +214,16 @@ class RequestCore:
         self.metrics.received_bytes.inc(memoryview(value).nbytes)
         return await self.store.put(scoped(tenant, key), value)
 
+    async def store_checked(self, tenant: str, key: bytes, source: memoryview, checksum: int) -> bool | None:
+        """``store_value`` straight from ``source``, memory its sender can still change, where
+        one tier alone takes it and checks it as it writes (``Store.put_checked``); None when
+        no tier does (copy it, check it, then ``store_value``). ``ChecksumMismatch`` when the
+        bytes stored do not match ``checksum`` (nothing stored)."""
+        stored = await self.store.put_checked(scoped(tenant, key), source, checksum)
+        if stored is not None:
+            self.metrics.received_bytes.inc(source.nbytes)
+        return stored
+
     # -- accounting --------------------------------------------------------------------
 
     def answered(self, op: str, code: str, started: float) -> None:

@@ -28,6 +28,12 @@ capacity. Only a full filesystem holding none of the tier's files is a failure.
 
 File I/O runs in worker threads; the index is only touched from the event loop.
 
+``put_checked`` stores a value straight from memory its sender can still change (a
+same-node client's staging segment, ``kvtier.cacheserver.store``): each block is copied
+into a private buffer, hashed there and written from there (``localwire.write_checked``),
+the header written last with the record's checksum, and the value refused (the file
+removed, an older record of the key kept) when it does not match the sender's checksum.
+
 A Get reads its record into a buffer of ``_ReadBuffers``: one an earlier Get of the same
 size read into, once nothing holds that value any more (sent, dropped), else a new one.
 Memory the kernel has to allocate and zero costs more than the read itself on these
@@ -46,14 +52,15 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
 from kvtier.cacheserver import record
-from kvtier.cacheserver.errors import TierFailure
+from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
 from kvtier.cacheserver.lru import ByteLru
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
+from kvtier.proto import localwire
 
 logger = logging.getLogger(__name__)
 
@@ -232,23 +239,37 @@ class DiskTier:
     async def put(self, key: bytes, value: bytes | memoryview) -> bool:
         head = record.header(key, value)
         size = len(head) + memoryview(value).nbytes
+        return await self._put(key, size, partial(_write_all_of, head, value))
+
+    async def put_checked(self, key: bytes, source: memoryview, checksum: int) -> bool:
+        """``put`` straight from ``source``, memory its sender can still change (a same-node
+        client's staging segment): each block is copied aside, hashed there (for ``checksum``
+        and for the record's) and written from there, one pass instead of a copy into the
+        tier's memory, a hash and a write. ``ChecksumMismatch`` when what was written does
+        not match ``checksum``: the file is removed and an older record of ``key`` stays."""
+        size = record.HEADER_SIZE + len(key) + source.nbytes
+        return await self._put(key, size, partial(_write_checked, key, source, checksum))
+
+    async def _put(self, key: bytes, size: int, fill: Callable[[int], None]) -> bool:
         if not self.lru.fits(size):
             return False
         while (prior := self._writing.get(key)) is not None:  # one write of a key at a time
             await asyncio.wait([prior])
-        write = asyncio.create_task(self._write_indexed(key, size, head, value))
+        write = asyncio.create_task(self._write_indexed(key, size, fill))
         self._writing[key] = write
         write.add_done_callback(partial(self._written, key))
         # Shielded: a put given up on (its deadline) still finishes its write and its checks.
         return await asyncio.shield(write)
 
-    async def _write_indexed(
-        self, key: bytes, size: int, head: bytes, value: bytes | memoryview
-    ) -> bool:
+    async def _write_indexed(self, key: bytes, size: int, fill: Callable[[int], None]) -> bool:
         # Admit (reserve the space) before the write, so concurrent puts cannot overshoot.
         await self._unlink_evicted(self.lru.admit(key, size))
         try:
-            await asyncio.to_thread(self._write, key, head, value)
+            await asyncio.to_thread(self._write, key, fill)
+        except ChecksumMismatch:
+            self.lru.remove(key)
+            await self._readmit(key)  # the older record, if any, was not replaced
+            raise
         except OSError as exc:
             self.lru.remove(key)
             if exc.errno == errno.ENOSPC and self.lru.used > 0:
@@ -329,7 +350,18 @@ class DiskTier:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
 
-    def _write(self, key: bytes, head: bytes, value: bytes | memoryview) -> None:
+    async def _readmit(self, key: bytes) -> None:
+        """Indexes again the record of ``key`` on disk, if there is one (a write of the key
+        that was refused did not replace it)."""
+        try:
+            size = (await asyncio.to_thread(self._path(key).stat)).st_size
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise TierFailure("disk", f"stat failed: {exc.strerror}") from exc
+        await self._unlink_evicted(self.lru.admit(key, size))
+
+    def _write(self, key: bytes, fill: Callable[[int], None]) -> None:
         final = self._path(key)
         tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
         # Read-only to its owner too: the tier never writes a record again (it renames over
@@ -337,9 +369,7 @@ class DiskTier:
         # writable through /proc unless it is root (docs/security.md).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         try:
-            view = memoryview(value)
-            _write_all(fd, head)
-            _write_all(fd, view)
+            fill(fd)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -379,6 +409,20 @@ def _read_file(path: Path, buffers: _ReadBuffers, out: list[memoryview]) -> None
                 break
             got += n
         out.append(view[:got].toreadonly())
+
+
+def _write_all_of(head: bytes, value: bytes | memoryview, fd: int) -> None:
+    _write_all(fd, head)
+    _write_all(fd, value)
+
+
+def _write_checked(key: bytes, source: memoryview, checksum: int, fd: int) -> None:
+    """Writes a record of ``key`` and ``source``'s bytes (its header last, once the record's
+    checksum is known) and checks them against ``checksum`` as written."""
+    got, crc = localwire.write_checked(fd, record.HEADER_SIZE, source, key)
+    if got != checksum:
+        raise ChecksumMismatch(f"the bytes written hash to {got:#x}, not the checksum {checksum:#x} sent")
+    localwire.pwrite_all(fd, record.head(key, source.nbytes, crc), 0)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

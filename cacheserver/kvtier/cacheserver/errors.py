@@ -11,8 +11,10 @@ The tree::
     │   ├── Overloaded             the server cannot take this now (memory for incoming values
     │   │                          is spent, --incoming-bytes): retry later
     │   └── Stalled                the caller stopped sending inside a request (--data-timeout)
-    └── TierFailure                a storage tier could not do an operation (I/O, Redis down);
-                                   the store degrades to the other tiers, the caller never sees it
+    ├── TierFailure                a storage tier could not do an operation (I/O, Redis down);
+    │                              the store degrades to the other tiers, the caller never sees it
+    └── ChecksumMismatch           a value stored from memory its sender can still change did
+                                   not match the sender's checksum (nothing of it was stored)
 
 The errors say what went wrong, not how a transport reports it: each edge maps
 them to its own status at the edge only (``kvtier.cacheserver.servicer`` to gRPC
@@ -61,3 +63,9 @@ class TierFailure(ServerError):
     def __init__(self, tier: str, message: str) -> None:
         super().__init__(f"{tier} tier: {message}")
         self.tier = tier
+
+
+class ChecksumMismatch(ServerError):
+    """The bytes a tier stored from memory its sender can still change (a same-node client's
+    staging segment) do not match the checksum the sender gave: nothing of the value was
+    stored (an older value of its key stays). The edge answers the request INVALID_ARGUMENT."""

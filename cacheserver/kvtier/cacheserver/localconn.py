@@ -18,7 +18,10 @@ requests (``kvtier.proto.localwire``) until EOF, a stream it cannot parse, a sta
   none while the client has not read everything sent to it before (values then go
   inline): descriptors in flight count against the tier's own limit.
 - A PUT copies values out of the connection's staging segment (STAGE) into the tier's
-  own memory and checks each one's checksum on what it copied.
+  own memory and checks each one's checksum on what it copied; a value only the disk
+  tier will hold (larger than the RAM tier takes, written through) is written from the
+  staging segment to its record file in one pass, checked as written
+  (``Store.put_checked``).
 - Every request passes the request core (``kvtier.cacheserver.core``): the HELLO's
   authorization value, checked again on every request; limits; the store; metrics (ops
   ``LocalHello``, ``LocalLookup``, ``LocalGet``, ``LocalPut``, ``LocalDelete``,
@@ -48,6 +51,7 @@ from kvtier.cacheserver.budget import Reservation
 from kvtier.cacheserver.dataport import status_of
 from kvtier.cacheserver.datastreams import PlainStream
 from kvtier.cacheserver.errors import (
+    ChecksumMismatch,
     InvalidRequest,
     LimitExceeded,
     Overloaded,
@@ -468,25 +472,35 @@ class LocalConnection:
                     ),
                     stored,
                 )
-            buf = memoryview(self.core.receive_buffer(length))
-            got = lw.copy_checked(buf, staging.view[offset : offset + length])
-            if got != crc:
+            source = staging.view[offset : offset + length]
+            try:
+                took = await self.core.store_checked(tenant, key, source, crc)
+                if took is None:
+                    took = await self._store_copy(tenant, key, source, crc)
+            except ChecksumMismatch:
                 raise _PutRefused(
                     InvalidRequest(
                         f"LocalPut.values[{i}].checksum: the staged bytes do not match it (changed while "
                         "being stored?); that value and the ones after it were not stored"
                     ),
                     stored,
-                )
-            extent = self.arena.locate(buf)
-            if extent is not None:
-                extent.checksum = got
-            if await self.core.store_value(tenant, key, buf.toreadonly()):
+                ) from None
+            if took:
                 stored += 1
             else:
                 rejected += 1
-            del buf
         await self._send(lw.reply(Op.PUT, Status.OK, count=stored, extra=rejected))
+
+    async def _store_copy(self, tenant: str, key: bytes, source: memoryview, crc: int) -> bool:
+        """Stores a copy of ``source`` in the tier's own memory, checked on what was copied."""
+        buf = memoryview(self.core.receive_buffer(source.nbytes))
+        got = lw.copy_checked(buf, source)
+        if got != crc:
+            raise ChecksumMismatch(f"the bytes copied hash to {got:#x}, not the checksum {crc:#x} sent")
+        extent = self.arena.locate(buf)
+        if extent is not None:
+            extent.checksum = got
+        return await self.core.store_value(tenant, key, buf.toreadonly())
 
 
 class _PutRefused(Exception):

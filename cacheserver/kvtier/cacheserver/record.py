@@ -42,8 +42,13 @@ def checksum(key: bytes, value: Buffer) -> int:
 
 def header(key: bytes, value: Buffer) -> bytes:
     """The header and key that precede ``value`` in a record (the value itself is not copied)."""
-    n = memoryview(value).nbytes
-    return HEADER.pack(MAGIC, VERSION, 0, len(key), n, checksum(key, value)) + key
+    return head(key, memoryview(value).nbytes, checksum(key, value)) + key
+
+
+def head(key: bytes, value_len: int, crc: int) -> bytes:
+    """The 24-byte header of a record of ``key`` and a value of ``value_len`` bytes whose
+    checksum (``checksum``: key, then value) is ``crc``."""
+    return HEADER.pack(MAGIC, VERSION, 0, len(key), value_len, crc)
 
 
 def encode(key: bytes, value: Buffer) -> bytes:

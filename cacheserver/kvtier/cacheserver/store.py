@@ -42,7 +42,7 @@ from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.metrics import ServerMetrics
 from kvtier.cacheserver.ram import RamTier
 from kvtier.cacheserver.record import RecordFile
-from kvtier.cacheserver.tiers import FileTier, Tier
+from kvtier.cacheserver.tiers import CheckedWriteTier, FileTier, Tier
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -252,6 +252,24 @@ class TieredStore:
                     self.metrics.write_behind_dropped.labels(tier.name).inc()
         self.metrics.write_behind_depth.set(self.write_behind_depth())
         return stored
+
+    async def put_checked(self, key: bytes, source: memoryview, checksum: int) -> bool | None:
+        """Stores a value straight from ``source``, memory its sender can still change, when
+        one tier alone would store it and can check it as it writes it (``CheckedWriteTier``:
+        the RAM tier does not take values that large, and the one lower tier is written
+        through); None when not (the caller copies the value first, checks it, then ``put``).
+        ``ChecksumMismatch`` from the tier when what it wrote does not match ``checksum``."""
+        top = self.tiers[0]
+        takers = self.tiers[1:] if isinstance(top, RamTier) and not top.lru.fits(source.nbytes) else self.tiers
+        if len(takers) != 1 or not isinstance(takers[0], CheckedWriteTier):
+            return None
+        tier = takers[0]
+        if tier is not top and not self.policy.write_through:
+            return None
+        try:
+            return await self._call(tier, "put", partial(tier.put_checked, key, source, checksum))
+        except _Skip:
+            return False
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         deleted = 0

@@ -126,3 +126,14 @@ class FileTier(Protocol):
         """``get``, but the value's record file opened and its header checked, not read:
         the caller reads it (and closes it)."""
         ...
+
+
+@runtime_checkable
+class CheckedWriteTier(Protocol):
+    """A tier that stores a value straight from memory its sender can still change (DiskTier)."""
+
+    async def put_checked(self, key: bytes, source: memoryview, checksum: int) -> bool:
+        """``put`` of ``source``'s bytes, copied once and checked as stored: what is stored is
+        exactly what was checked. ``ChecksumMismatch`` when that is not ``checksum`` (nothing
+        stored; an older value of ``key`` stays)."""
+        ...

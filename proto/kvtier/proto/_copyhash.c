@@ -1,4 +1,4 @@
-/* kvtier.proto._copyhash: localwire.copy_checked in C.
+/* kvtier.proto._copyhash: localwire's checked copies, file reads and file writes, in C.
  *
  *   copy_checked(dst, *sources) -> int
  *       copies sources back to back into dst (their total length) and returns xxh3-64 of
@@ -12,6 +12,16 @@
  *       hashed right after it is read: a same-node client reading a disk-tier record file
  *       (the prefix is the record's key, which its checksum covers; localwire.read_checked).
  *       OSError on a read error, EOFError when the file ends first. Without the GIL.
+ *
+ *   write_checked(fd, offset, src, prefix) -> (int, int)
+ *       writes prefix then src to file fd at offset (pwrite, block by block), each block of
+ *       src first copied into a private buffer, hashed there and written from there, and
+ *       returns (xxh3-64 of src, xxh3-64 of prefix + src) as written: the disk tier storing
+ *       a value from a same-node client's staging segment, which the client can still
+ *       change (what is written is exactly what was hashed; the first checksum is the one
+ *       the client sent, the second the record's; localwire.write_checked). One pass over
+ *       src instead of a copy into the tier's memory, a hash, and a write. OSError on a
+ *       write error. Without the GIL.
  *
  * Why C (docs/benchmarks.md, "Same-node copies and alignment"): the pure-Python copy is a
  * memoryview slice assignment, one glibc memcpy per 256 KiB block, and on the AMD EPYC of
@@ -239,11 +249,120 @@ read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong((unsigned long long)digest);
 }
 
+/* pwrite exactly n bytes at pos (0), -1 with errno on an error */
+static int
+pwrite_full(int fd, const char *in, size_t n, off_t pos)
+{
+    while (n) {
+        ssize_t put = pwrite(fd, in, n, pos);
+        if (put < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -1;
+        }
+        in += put;
+        pos += put;
+        n -= (size_t)put;
+    }
+    return 0;
+}
+
+static PyObject *
+write_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "write_checked(fd, offset, src, prefix)");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    long long offset = PyLong_AsLongLong(args[1]);
+    if (offset == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (fd < 0 || fd > 0x7fffffffL || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "write_checked: fd %ld, offset %lld (each >= 0)", fd,
+                     offset);
+        return NULL;
+    }
+    Py_buffer src, prefix;
+    if (PyObject_GetBuffer(args[2], &src, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[3], &prefix, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (prefix.len > MAX_PREFIX) {
+        PyErr_Format(PyExc_ValueError, "write_checked: a prefix of %zd bytes; at most %d",
+                     prefix.len, MAX_PREFIX);
+        PyBuffer_Release(&prefix);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    XXH3_state_t *value = XXH3_createState();
+    XXH3_state_t *whole = XXH3_createState();
+    void *bounce = NULL;
+    if (value == NULL || whole == NULL || posix_memalign(&bounce, 4096, READ_BLOCK) != 0) {
+        XXH3_freeState(value);
+        XXH3_freeState(whole);
+        PyBuffer_Release(&prefix);
+        PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
+    int failed = 0, err = 0;
+    XXH64_hash_t value_digest = 0, whole_digest = 0;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_64bits_reset(value);
+    XXH3_64bits_reset(whole);
+    off_t pos = (off_t)offset;
+    HASH_UPDATE(whole, prefix.buf, (size_t)prefix.len);
+    failed = pwrite_full((int)fd, (const char *)prefix.buf, (size_t)prefix.len, pos);
+    pos += prefix.len;
+    const char *in = (const char *)src.buf;
+    size_t left = (size_t)src.len;
+    while (!failed && left) {
+        size_t n = left < READ_BLOCK ? left : READ_BLOCK;
+        copy_pieces((char *)bounce, in, n); /* the bytes hashed and written: no one else's */
+        HASH_UPDATE(value, bounce, n);
+        HASH_UPDATE(whole, bounce, n);
+        failed = pwrite_full((int)fd, (const char *)bounce, n, pos);
+        in += n;
+        pos += (off_t)n;
+        left -= n;
+    }
+    err = errno;
+    if (!failed) {
+        value_digest = XXH3_64bits_digest(value);
+        whole_digest = XXH3_64bits_digest(whole);
+    }
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(value);
+    XXH3_freeState(whole);
+    free(bounce);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&src);
+    if (failed) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)value_digest,
+                         (unsigned long long)whole_digest);
+}
+
 static PyMethodDef methods[] = {
     {"read_checked", (PyCFunction)(void (*)(void))read_checked, METH_FASTCALL,
      "read_checked(fd, offset, dst, prefix_len) -> int: reads prefix_len bytes at offset "
      "(hashed only), then len(dst) more into dst; returns the xxh3-64 of all of them (the "
      "GIL released)."},
+    {"write_checked", (PyCFunction)(void (*)(void))write_checked, METH_FASTCALL,
+     "write_checked(fd, offset, src, prefix) -> (int, int): writes prefix then src at "
+     "offset, each block of src copied aside, hashed and written from there; returns the "
+     "xxh3-64 of src and of prefix + src as written (the GIL released)."},
     {"copy_checked", (PyCFunction)(void (*)(void))copy_checked, METH_FASTCALL,
      "copy_checked(dst, *sources) -> int: copies sources back to back into dst and returns "
      "the xxh3-64 of what landed there (the GIL released)."},
@@ -252,7 +371,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvtier.proto._copyhash",
-    "localwire.copy_checked in C (see proto/kvtier/proto/_copyhash.c).", -1, methods,
+    "localwire's checked copies, file reads and file writes in C (see proto/kvtier/proto/_copyhash.c).", -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -44,6 +44,7 @@ import struct
 from types import ModuleType
 
 import xxhash
+from typing_extensions import Buffer
 
 from kvtier.proto.datawire import Status
 
@@ -205,6 +206,47 @@ def read_checked_py(fd: int, offset: int, dst: memoryview, prefix_len: int) -> i
         h.update(part)
         pos += part.nbytes
     return h.intdigest()
+
+
+def write_checked(fd: int, offset: int, src: Buffer, prefix: bytes) -> tuple[int, int]:
+    """Writes ``prefix`` then ``src`` to file ``fd`` at ``offset`` and returns the xxh3-64 of
+    ``src`` and of ``prefix + src`` *as written*: each block of ``src`` is copied aside,
+    hashed there and written from there, so a ``src`` that another process changes
+    meanwhile (a same-node client's staging segment) cannot make the file differ from what
+    was hashed. OSError on a write error. In C without the GIL where ``_copyhash`` is built,
+    else ``write_checked_py``."""
+    if _copyhash is not None:
+        got: tuple[int, int] = _copyhash.write_checked(fd, offset, src, prefix)
+        return got
+    return write_checked_py(fd, offset, src, prefix)
+
+
+def write_checked_py(fd: int, offset: int, src: Buffer, prefix: bytes) -> tuple[int, int]:
+    """``write_checked`` in pure Python: a block copied into a ``bytearray``, ``os.pwrite``."""
+    if fd < 0 or offset < 0 or len(prefix) > 0xFFFF:
+        raise ValueError(f"write_checked: fd {fd}, offset {offset}, a prefix of {len(prefix)} bytes")
+    view = memoryview(src).cast("B")
+    value, whole = xxhash.xxh3_64(), xxhash.xxh3_64(prefix)
+    pwrite_all(fd, prefix, offset)
+    pos = offset + len(prefix)
+    block = bytearray(min(BLOCK, view.nbytes))
+    for start in range(0, view.nbytes, BLOCK):
+        n = min(BLOCK, view.nbytes - start)
+        part = memoryview(block)[:n]
+        part[:] = view[start : start + n]
+        value.update(part)
+        whole.update(part)
+        pwrite_all(fd, part, pos)
+        pos += n
+    return value.intdigest(), whole.intdigest()
+
+
+def pwrite_all(fd: int, data: Buffer, pos: int) -> None:
+    """``os.pwrite`` of all of ``data`` at ``pos`` (a short write continues)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], pos + done)
 
 
 def _pread_full(fd: int, view: memoryview, pos: int) -> None:
