@@ -169,6 +169,27 @@ pread_full(int fd, char *out, size_t n, off_t pos)
 
 #define MAX_PREFIX 65535 /* a record's key length is a u16 */
 
+/* args[0] and args[1] as a file descriptor and an offset in it (0), or -1 with an error set */
+static int
+fd_and_offset(PyObject *const *args, const char *name, int *fd, off_t *offset)
+{
+    long f = PyLong_AsLong(args[0]);
+    if (f == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    long long o = PyLong_AsLongLong(args[1]);
+    if (o == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (f < 0 || f > 0x7fffffffL || o < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: fd %ld, offset %lld (each >= 0)", name, f, o);
+        return -1;
+    }
+    *fd = (int)f;
+    *offset = (off_t)o;
+    return 0;
+}
+
 static PyObject *
 read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -177,22 +198,18 @@ read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "read_checked(fd, offset, dst, prefix_len)");
         return NULL;
     }
-    long fd = PyLong_AsLong(args[0]);
-    if (fd == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    long long offset = PyLong_AsLongLong(args[1]);
-    if (offset == -1 && PyErr_Occurred()) {
+    int fd;
+    off_t offset;
+    if (fd_and_offset(args, "read_checked", &fd, &offset) < 0) {
         return NULL;
     }
     Py_ssize_t prefix = PyLong_AsSsize_t(args[3]);
     if (prefix == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (fd < 0 || fd > 0x7fffffffL || offset < 0 || prefix < 0 || prefix > MAX_PREFIX) {
-        PyErr_Format(PyExc_ValueError,
-                     "read_checked: fd %ld, offset %lld, prefix_len %zd (each >= 0, "
-                     "prefix_len <= %d)", fd, offset, prefix, MAX_PREFIX);
+    if (prefix < 0 || prefix > MAX_PREFIX) {
+        PyErr_Format(PyExc_ValueError, "read_checked: prefix_len %zd (0 to %d)", prefix,
+                     MAX_PREFIX);
         return NULL;
     }
     Py_buffer dst;
@@ -243,7 +260,7 @@ read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (failed > 0) {
         PyErr_Format(PyExc_EOFError, "read_checked: the file ended before %zd + %zd bytes "
-                     "at offset %lld", prefix, dst.len, offset);
+                     "at offset %lld", prefix, dst.len, (long long)offset);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong((unsigned long long)digest);
@@ -276,17 +293,9 @@ write_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "write_checked(fd, offset, src, prefix)");
         return NULL;
     }
-    long fd = PyLong_AsLong(args[0]);
-    if (fd == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    long long offset = PyLong_AsLongLong(args[1]);
-    if (offset == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (fd < 0 || fd > 0x7fffffffL || offset < 0) {
-        PyErr_Format(PyExc_ValueError, "write_checked: fd %ld, offset %lld (each >= 0)", fd,
-                     offset);
+    int fd;
+    off_t offset;
+    if (fd_and_offset(args, "write_checked", &fd, &offset) < 0) {
         return NULL;
     }
     Py_buffer src, prefix;
