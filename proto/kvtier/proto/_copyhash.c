@@ -335,7 +335,12 @@ write_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const char *in = (const char *)src.buf;
     size_t left = (size_t)src.len;
     while (!failed && left) {
-        size_t n = left < READ_BLOCK ? left : READ_BLOCK;
+        /* Blocks end at multiples of READ_BLOCK in the file (the first one shorter): the
+         * page cache then holds the value in large folios, which later reads copy out
+         * faster (an unaligned 256 KiB write leaves a partial page at each end; reads of
+         * such a file ran ~10% slower here). */
+        size_t room = READ_BLOCK - (size_t)(pos % READ_BLOCK);
+        size_t n = left < room ? left : room;
         copy_pieces((char *)bounce, in, n); /* the bytes hashed and written: no one else's */
         HASH_UPDATE(value, bounce, n);
         HASH_UPDATE(whole, bounce, n);

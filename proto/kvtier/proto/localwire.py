@@ -230,14 +230,16 @@ def write_checked_py(fd: int, offset: int, src: Buffer, prefix: bytes) -> tuple[
     pwrite_all(fd, prefix, offset)
     pos = offset + len(prefix)
     block = bytearray(min(BLOCK, view.nbytes))
-    for start in range(0, view.nbytes, BLOCK):
-        n = min(BLOCK, view.nbytes - start)
+    start = 0
+    while start < view.nbytes:
+        n = min(BLOCK - pos % BLOCK, view.nbytes - start)  # blocks end at multiples of BLOCK in the file
         part = memoryview(block)[:n]
         part[:] = view[start : start + n]
         value.update(part)
         whole.update(part)
         pwrite_all(fd, part, pos)
         pos += n
+        start += n
     return value.intdigest(), whole.intdigest()
 
 
