@@ -16,7 +16,11 @@ Prints GB/s (best of ``--repeat``) of:
 - reading a file from the page cache into a buffer touched before: ``readinto`` (the
   ``plain file`` baseline of ``kvtier bench tier``) against ``read_checked`` (pread and
   xxh3-64 block by block: a same-node client reading a disk-tier record file), C and
-  pure Python.
+  pure Python;
+- reading a record back (``pread`` at its value's offset) by how it was written: whole,
+  in 256 KiB blocks at the record's unaligned offsets, or by ``write_checked`` (blocks
+  ending at multiples of 256 KiB in the file): the page cache keeps an unaligned
+  block's partial end pages apart, and reads of such a file are slower.
 """
 
 from __future__ import annotations
@@ -138,6 +142,49 @@ def main(argv: list[str] | None = None) -> None:
             f"pure Python {py:6.2f}"
         )
         dst.release()
+
+    print(f"\na record (value at offset {RECORD_OFFSET}) read back, by how it was written:")
+    dst = memoryview(target)[:n]
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        path = os.path.join(d, "record")
+        for how, write in (
+            ("whole (one write)", _write_whole),
+            ("unaligned 256 KiB blocks", _write_unaligned),
+            ("write_checked (blocks end at multiples of 256 KiB)", _write_checked),
+        ):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            write(fd, payload)
+            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            print(f"  {how}: pread {_rate(n, partial(_pread_all, fd, dst, RECORD_OFFSET), args.repeat):6.2f}")
+            os.close(fd)
+    dst.release()
+
+
+RECORD_OFFSET = 88  # a 24-byte header and a 64-byte key before the value
+
+
+def _write_whole(fd: int, value: memoryview) -> None:
+    localwire.pwrite_all(fd, bytes(RECORD_OFFSET), 0)
+    localwire.pwrite_all(fd, value, RECORD_OFFSET)
+
+
+def _write_unaligned(fd: int, value: memoryview) -> None:
+    localwire.pwrite_all(fd, bytes(RECORD_OFFSET), 0)
+    for at in range(0, value.nbytes, localwire.BLOCK):
+        localwire.pwrite_all(fd, value[at : at + localwire.BLOCK], RECORD_OFFSET + at)
+
+
+def _write_checked(fd: int, value: memoryview) -> None:
+    localwire.write_checked(fd, RECORD_OFFSET, value, bytes(RECORD_OFFSET - 24))
+    localwire.pwrite_all(fd, bytes(24), 0)
+
+
+def _pread_all(fd: int, dst: memoryview, offset: int) -> None:
+    got = 0
+    while got < dst.nbytes:
+        got += os.preadv(fd, [dst[got:]], offset + got)
+
 
 if __name__ == "__main__":
     main()
