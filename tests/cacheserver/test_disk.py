@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import xxhash
 from kvtier.cacheserver import record
 from kvtier.cacheserver.disk import DiskTier
 from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
+from kvtier.proto import localwire
 
 
 async def opened(directory: Path, capacity: int = 10 << 20) -> DiskTier:
@@ -273,3 +276,36 @@ async def test_put_checked_of_bytes_that_do_not_match_stores_nothing_and_keeps_t
     got = await tier.get(b"k")
     assert got is not None and bytes(got) == b"old" * 1000
     assert await tier.get(b"other") is None
+
+
+@pytest.mark.parametrize("meanwhile", ["delete", "evict"])
+async def test_a_refused_put_checked_leaves_a_key_deleted_or_evicted_meanwhile_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    tier = await opened(tmp_path, capacity=250_000)
+    assert await tier.put(b"k", b"old" * 1000)
+    gate, writing = threading.Event(), threading.Event()
+    write_checked = localwire.write_checked
+
+    def held(*args: object) -> tuple[int, int]:
+        writing.set()
+        assert gate.wait(10)
+        return write_checked(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(localwire, "write_checked", held)
+    new = os.urandom(100_000)
+    refused = asyncio.create_task(tier.put_checked(b"k", memoryview(new), 0))
+    assert await asyncio.to_thread(writing.wait, 10)
+    if meanwhile == "delete":
+        deleting = asyncio.create_task(tier.delete([b"k"]))
+    else:  # the reservation of k is the oldest entry: a larger put evicts it
+        monkeypatch.setattr(localwire, "write_checked", write_checked)
+        assert await tier.put(b"big", os.urandom(200_000))
+    await asyncio.sleep(0.05)
+    gate.set()
+    with pytest.raises(ChecksumMismatch):
+        await refused
+    if meanwhile == "delete":
+        assert await deleting == 1
+    assert await tier.contains([b"k"]) == [False] and await tier.get(b"k") is None
+    assert tier.usage().used_bytes == sum(p.stat().st_size for p in files(tmp_path))

@@ -128,6 +128,21 @@ async def test_a_value_only_the_disk_takes_is_written_from_its_source_when_writt
     await behind.close()
 
 
+async def test_a_value_too_large_for_ram_replaces_an_older_one_held_there(tmp_path: Path) -> None:
+    big = os.urandom(2 << 20)  # larger than the 1 MiB RAM tier
+    for how in ("put", "put_checked"):
+        store, ram, _disk, _ = await make_store(tmp_path / how, write_through=True)
+        assert await store.put(b"k", b"small")
+        assert ram.usage().entries == 1
+        if how == "put":
+            assert await store.put(b"k", big)
+        else:
+            assert await store.put_checked(b"k", memoryview(big), xxhash.xxh3_64_intdigest(big))
+        got = await store.get(b"k")
+        assert got is not None and bytes(got) == big, how
+        await store.close()
+
+
 class GatedDisk(DiskTier):
     """A real disk tier whose writes wait for ``gate`` (a slow disk, held at will)."""
 

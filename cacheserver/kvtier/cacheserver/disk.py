@@ -262,13 +262,16 @@ class DiskTier:
         return await asyncio.shield(write)
 
     async def _write_indexed(self, key: bytes, size: int, fill: Callable[[int], None]) -> bool:
+        older = self.lru.size_of(key)  # the record this write replaces, if any
         # Admit (reserve the space) before the write, so concurrent puts cannot overshoot.
         await self._unlink_evicted(self.lru.admit(key, size))
         try:
             await asyncio.to_thread(self._write, key, fill)
         except ChecksumMismatch:
-            self.lru.remove(key)
-            await self._readmit(key)  # the older record, if any, was not replaced
+            # Refused: the older record was not replaced. It is indexed again only if the key
+            # is still ours; deleted or evicted meanwhile, its file is (being) removed.
+            if self.lru.remove(key) is not None and older is not None:
+                await self._unlink_evicted(self.lru.admit(key, older))
             raise
         except OSError as exc:
             self.lru.remove(key)
@@ -349,17 +352,6 @@ class DiskTier:
     def _unlink_many(self, keys: list[bytes]) -> None:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
-
-    async def _readmit(self, key: bytes) -> None:
-        """Indexes again the record of ``key`` on disk, if there is one (a write of the key
-        that was refused did not replace it)."""
-        try:
-            size = (await asyncio.to_thread(self._path(key).stat)).st_size
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise TierFailure("disk", f"stat failed: {exc.strerror}") from exc
-        await self._unlink_evicted(self.lru.admit(key, size))
 
     def _write(self, key: bytes, fill: Callable[[int], None]) -> None:
         final = self._path(key)

@@ -45,6 +45,10 @@ class ByteLru:
             limit = min(limit, self.tenant_quota_bytes)
         return size <= limit
 
+    def size_of(self, key: bytes) -> int | None:
+        """The size ``key`` was admitted with, or None if it is not held."""
+        return self._order.get(key)
+
     def touch(self, key: bytes) -> None:
         if key in self._order:
             self._order.move_to_end(key)

@@ -65,6 +65,8 @@ class RamTier:
         data = value if isinstance(value, bytes) else value.toreadonly()
         size = memoryview(data).nbytes
         if not self.lru.fits(size):
+            if self.lru.remove(key) is not None:  # an older value of the key must not be served
+                self._forget(key)
             return False
         if self.arena is not None and self.arena.locate(data) is None:
             shared = self.arena.take(size)

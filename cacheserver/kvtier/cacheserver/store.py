@@ -267,9 +267,12 @@ class TieredStore:
         if tier is not top and not self.policy.write_through:
             return None
         try:
-            return await self._call(tier, "put", partial(tier.put_checked, key, source, checksum))
+            stored = await self._call(tier, "put", partial(tier.put_checked, key, source, checksum))
         except _Skip:
             return False
+        if stored and tier is not top:
+            await top.delete([key])  # an older, smaller value of the key must not be served
+        return stored
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         deleted = 0

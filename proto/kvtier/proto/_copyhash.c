@@ -278,6 +278,10 @@ pwrite_full(int fd, const char *in, size_t n, off_t pos)
             }
             return -1;
         }
+        if (put == 0) { /* no progress: never loop on it */
+            errno = EIO;
+            return -1;
+        }
         in += put;
         pos += put;
         n -= (size_t)put;

@@ -39,6 +39,7 @@ copies (``copy_checked``) and checked by the side that reads it.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import struct
 from types import ModuleType
@@ -248,7 +249,10 @@ def pwrite_all(fd: int, data: Buffer, pos: int) -> None:
     view = memoryview(data).cast("B")
     done = 0
     while done < view.nbytes:
-        done += os.pwrite(fd, view[done:], pos + done)
+        n = os.pwrite(fd, view[done:], pos + done)
+        if n == 0:  # no progress: never loop on it
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {pos + done}")
+        done += n
 
 
 def _pread_full(fd: int, view: memoryview, pos: int) -> None:
