@@ -246,6 +246,46 @@ def test_preempted_request_reloads_into_new_blocks_without_a_second_lookup() -> 
     assert plan.saves == []  # chunk 2 was saved before the preemption
 
 
+def test_blocks_a_load_left_unfilled_are_saved_again_once_recomputed() -> None:
+    """vLLM recomputes from the first failed block (the worker stored none of that step's
+    chunks): the request's chunks from that block's chunk on are saved as they complete
+    again, and a later reload (preemption) asks only for the chunks before it."""
+    scheduler, _ = make_scheduler(FakeTier(held=2))
+    req = request(1000)
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    ids = list(range(10, 18))
+    scheduler.update_state_after_alloc(req, blocks(ids), ext)
+    first = scheduler.build_connector_meta(step([(req, ids, 512, 488)]))
+    assert [s.block_ids for s in first.saves] == [(14, 15)]  # chunk 2
+
+    scheduler.blocks_failed({13, 99})  # chunk 1's second block; 99 is no request's
+    again = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[256]
+        ),
+        num_scheduled_tokens={"r": 744},
+    )
+    recomputed = scheduler.build_connector_meta(again)
+
+    assert recomputed.loads == []
+    assert [s.block_ids for s in recomputed.saves] == [(12, 13), (14, 15)]  # chunks 1 and 2
+    ext_again, _ = scheduler.get_num_new_matched_tokens(req, 0)  # preempted, rescheduled
+    assert ext_again == 256
+
+
+def test_failed_blocks_of_no_request_change_nothing() -> None:
+    scheduler, _ = make_scheduler(FakeTier(held=1))
+    req = request(1000)
+    ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    ids = list(range(8))
+    scheduler.update_state_after_alloc(req, blocks(ids), ext)
+    scheduler.build_connector_meta(step([(req, ids, 256, 744)]))
+    scheduler.blocks_failed(set())
+    scheduler.blocks_failed({50, 51})
+    assert scheduler.get_num_new_matched_tokens(req, 0)[0] == 256
+
+
 def test_finished_request_is_forgotten() -> None:
     tier = FakeTier(held=1)
     scheduler, _ = make_scheduler(tier)

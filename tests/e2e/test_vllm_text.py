@@ -137,6 +137,45 @@ def test_chunk_failing_its_checksum_is_recomputed_and_deleted(engines, client) -
     assert client.lookup(keys) == 1  # the bad chunk was deleted from the tier
 
 
+def test_chunks_computed_on_top_of_a_failed_load_are_stored_only_once_recomputed(
+    engines, client: TierClient
+) -> None:
+    """A load that fails leaves its blocks as they were, and the forward of that step
+    still computes the prompt's later tokens on top of them: vLLM recomputes only after
+    the step, from the first failed block. The chunks that step completed are wrong KV
+    under the right keys, so none of them is stored (counted as
+    ``saves_dropped:load_failed``); the scheduler saves the prompt's chunks again once
+    they are recomputed, and an engine that then loads every one of them gets the
+    no-cache output."""
+    a, b = engines
+    short = prompt_text(PROMPT_WORDS, seed=9)
+    long = short + " " + prompt_text(PROMPT_WORDS, seed=10)
+    keys = b.chunk_keys(long)
+    assert len(keys) >= 6 and keys[:3] == b.chunk_keys(short)
+    a.generate([{"prompt": short}])
+    a.flush()
+    assert client.lookup(keys) == 3
+    blob = bytearray(client.get(keys[1:2])[0])
+    blob[-100] ^= 0xFF  # B loads chunk 0, chunk 1 fails its checksum (and chunk 2 with it)
+    assert client.put([(keys[1], bytes(blob))]) == 1
+    before = b.stats()
+
+    (out,) = b.generate([{"prompt": long}])  # the failed load's step computes chunks 3 on
+    b.flush()
+
+    after = b.stats()
+    expected = reference(engines, long)
+    assert out.token_ids == expected
+    dropped = "saves_dropped:load_failed"
+    assert after.get(dropped, 0) - before.get(dropped, 0) == len(keys) - 3
+    assert client.lookup(keys) == len(keys)  # chunk 1 on: saved again once recomputed
+    before = a.stats()
+    (again,) = a.generate([{"prompt": long}])
+    after = a.stats()
+    assert after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0) == len(keys)
+    assert again.token_ids == expected
+
+
 def test_chunk_corrupted_on_tier_disk_is_recomputed(engines, tier: TierProcess) -> None:
     """Bytes flipped in the tier's files: the tier's own check turns them into misses."""
     _, b = engines

@@ -15,12 +15,14 @@ vLLM creates it twice: in the scheduler (role SCHEDULER, hands off to
                update_state_after_alloc     remember the blocks to load into
                build_connector_meta         this step's loads and saves
                request_finished(_all_groups)    forget the request
-               update_connector_output      forget the hits of failed reported loads
+               update_connector_output      forget the hits of failed loads (reported
+                                            ones, and blocks a load left unfilled)
     worker     register_kv_caches           the paged KV tensors, their layout (kv/layouts.py)
                start_load_kv                Get + verify, copies into blocks enqueued (before forward)
                wait_for_layer_load          the forward waits for that layer's copies
                save_kv_layer                that layer's new full chunks copied out (behind it)
-               wait_for_save                wait for the save copies, queue the chunks (after forward)
+               wait_for_save                wait for the save copies, queue the chunks (after
+                                            forward; none after a failed load: kv/worker.py)
                get_block_ids_with_load_errors   blocks vLLM must recompute
                get_transfer_results         reported loads done, and failed (several groups)
     both       get_kv_connector_stats       metrics (see kvtier.connector.metrics)
@@ -143,6 +145,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 breaker=self._tier.breaker,
                 recorder=self._tier.recorder,
                 groups=groups,
+                steps_ahead=1 if vllm_config.scheduler_config.async_scheduling else 0,
             )
         logger.info(
             "kvtier: %s connector for %s, tier %s, chunk %d tokens, load=%s save=%s, "
@@ -201,6 +204,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         self.scheduler.loads_failed(connector_output.failed_recving or ())
+        self.scheduler.blocks_failed(getattr(connector_output, "invalid_block_ids", None) or ())
 
     # -- worker side ----------------------------------------------------------------
 

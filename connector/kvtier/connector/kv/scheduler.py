@@ -152,6 +152,24 @@ class KvtierScheduler:
     def request_finished(self, request: Any) -> None:
         self._requests.pop(request.request_id, None)
 
+    def blocks_failed(self, block_ids: Iterable[int]) -> None:
+        """Blocks a load left unfilled (vLLM recomputes each request holding one from its
+        first such block on, and the worker stored none of that step's chunks): forget the
+        hits from the chunk of that block on, and save those chunks again as they are
+        recomputed. Only an engine with one KV cache group reports blocks (vLLM 0.32)."""
+        failed = set(block_ids)
+        if not failed:
+            return
+        for state in self._requests.values():
+            table = state.block_ids[0] if state.block_ids else []
+            first = next((i for i, b in enumerate(table) if b in failed), None)
+            if first is None:
+                continue
+            chunk = first * self._groups[0].block_size // self._chunk
+            state.next_save = min(state.next_save, chunk)
+            if state.hit_chunks is not None:
+                state.hit_chunks = min(state.hit_chunks, chunk)
+
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """Reported loads that failed (vLLM recomputes the request from its start): forget
         their hits, and save their chunks again as they are computed."""

@@ -25,7 +25,10 @@ One engine step (vLLM's connector calls, in order)::
                          behind the layer's compute (layerwise)
     wait_for_save        the copies not enqueued yet, then wait for all save copies; each
                          chunk goes to the background sender (which compresses it when
-                         ``codec`` is not ``raw``: never on the engine's thread)
+                         ``codec`` is not ``raw``: never on the engine's thread); none
+                         when a load of this step (or of the step before, under vLLM's
+                         asynchronous scheduling) left blocks unfilled: the forward
+                         computed on top of them (``_saves_unsafe``)
 
 On a GPU the copies run on two side CUDA streams with pinned host memory (the tier
 client receives loaded chunks into pinned buffers), so loads overlap the layers still
@@ -86,11 +89,14 @@ class KvtierWorker:
         recorder: Recorder,
         groups: Sequence[KVGroup] = (),
         streams: CopyStreams | None = None,
+        steps_ahead: int = 0,
     ) -> None:
         """``layer_order``: the layers of an engine with one KV cache group; ``groups``
         (each with its layer names): any engine. ``streams``: where copies run (default:
         side CUDA streams on a GPU, the engine's thread on the CPU); tests and the
-        benchmark pass ``CopyStreams.threads()``."""
+        benchmark pass ``CopyStreams.threads()``. ``steps_ahead``: how many steps vLLM
+        schedules before it has seen a step's output (1 with its asynchronous
+        scheduling, else 0)."""
         self._config = config
         self._tier = tier
         self._rank = rank
@@ -108,6 +114,10 @@ class KvtierWorker:
         self._failed_loads: set[str] = set()
         self._plan: StepPlan | None = None
         self._saves: list[ChunkSave] = []
+        self._steps_ahead = steps_ahead
+        self._step = 0
+        self._unsafe_until = -1
+        """The last step whose saves may hold KV computed on top of a failed load."""
         self._sender = SaveSender.for_saves(
             tier, config, breaker=breaker, recorder=recorder, per_chunk=len(self._tags)
         )
@@ -184,6 +194,7 @@ class KvtierWorker:
         if plan is self._plan:
             return
         self._plan = plan
+        self._step += 1
         self.copies.new_step()
         self._recycle()
         self._saves = []
@@ -200,7 +211,9 @@ class KvtierWorker:
 
     def start_load_kv(self, plan: StepPlan) -> None:
         self._begin(plan)
-        self._failed.update(plan.failed_blocks)
+        if plan.failed_blocks:
+            self._failed.update(plan.failed_blocks)
+            self._saves_unsafe()
         loads: dict[int, list[tuple[RequestLoad, LoadChunk]]] = {}
         keep: dict[int, Kept] = {}
         for request in plan.loads:
@@ -256,6 +269,16 @@ class KvtierWorker:
             self._failed_loads.add(request.req_id)
         else:
             self._failed.update(blocks)
+            self._saves_unsafe()
+
+    def _saves_unsafe(self) -> None:
+        """A block vLLM counts as loaded stays unfilled this step. vLLM recomputes from it
+        only after the step, whose forward computes later tokens on top of it (of that
+        request, and of any request sharing the block through vLLM's prefix cache): the
+        chunks such a step completes are wrong KV under right keys. So this step stores
+        no chunk, nor do the steps vLLM scheduled before it sees this one's output; the
+        scheduler saves the recomputed chunks again (``KvtierScheduler.blocks_failed``)."""
+        self._unsafe_until = self._step + self._steps_ahead
 
     def _fetch(self, request: RequestLoad, keep: dict[int, Kept]) -> list[tuple[int, LoadChunk]]:
         """The request's leading chunks that arrived and verified, in order, with their
@@ -331,6 +354,9 @@ class KvtierWorker:
             return
         finally:
             self._recycle()
+        if saves and self._step <= self._unsafe_until:
+            self._recorder.count("saves_dropped", len(saves), label="load_failed")
+            return
         for save, buffer in zip(saves, buffers, strict=True):
             self._offer(save, buffer)
 
