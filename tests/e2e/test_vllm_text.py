@@ -134,7 +134,9 @@ def test_chunk_failing_its_checksum_is_recomputed_and_deleted(engines, client) -
     key = "corrupt_chunks:checksum"
     assert after.get(key, 0) == before.get(key, 0) + 1
     assert after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0) == 4
-    assert client.lookup(keys) == 1  # the bad chunk was deleted from the tier
+    # The bad chunk was deleted, and stored again once B recomputed it.
+    assert client.lookup(keys) == 3
+    decode_chunk(keys[1], client.get(keys[1:2])[0])  # verifies
 
 
 def test_chunks_computed_on_top_of_a_failed_load_are_stored_only_once_recomputed(
@@ -259,7 +261,8 @@ def test_zstd_chunk_that_passes_its_checksum_but_does_not_decode_is_never_loaded
     assert out.token_ids == expected
     assert after.get("corrupt_chunks:codec", 0) == before.get("corrupt_chunks:codec", 0) + 1
     assert after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0) == 4
-    assert client.lookup(keys) == 1  # deleted from the tier
+    assert client.lookup(keys) == 3  # deleted, and stored again once recomputed (raw)
+    assert decode_chunk(keys[1], client.get(keys[1:2])[0]).codec == "raw"
 
 
 def test_engine_with_a_salt_and_a_token_file_shares_nothing_with_unsalted_engines(
