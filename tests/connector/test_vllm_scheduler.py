@@ -38,12 +38,17 @@ class FakeTier:
         return min(self.held, len(keys))
 
 
-def make_scheduler(tier: FakeTier, **config: Any) -> tuple[KvtierScheduler, Recorder]:
+def make_scheduler(
+    tier: FakeTier, steps_ahead: int = 0, **config: Any
+) -> tuple[KvtierScheduler, Recorder]:
     cfg = ConnectorConfig.from_extra_config({"target": "h:1", "chunk_size": CHUNK, **config})
     recorder = Recorder()
     spec = KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK)
     breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
-    return KvtierScheduler(cfg, [spec], tier, breaker=breaker, recorder=recorder), recorder
+    scheduler = KvtierScheduler(
+        cfg, [spec], tier, breaker=breaker, recorder=recorder, steps_ahead=steps_ahead
+    )
+    return scheduler, recorder
 
 
 def request(n: int, req_id: str = "r", salt: str | None = None, mm: Any = ()) -> Any:
@@ -272,6 +277,52 @@ def test_blocks_a_load_left_unfilled_are_saved_again_once_recomputed() -> None:
     assert [s.block_ids for s in recomputed.saves] == [(12, 13), (14, 15)]  # chunks 1 and 2
     ext_again, _ = scheduler.get_num_new_matched_tokens(req, 0)  # preempted, rescheduled
     assert ext_again == 256
+
+
+def cached_step(reqs: dict[str, tuple[int, int]]) -> Any:
+    """A scheduler output of running requests: req_id -> (computed, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(reqs),
+            resumed_req_ids=set(),
+            new_block_ids=[None] * len(reqs),
+            num_computed_tokens=[c for c, _ in reqs.values()],
+        ),
+        num_scheduled_tokens={r: s for r, (_, s) in reqs.items()},
+    )
+
+
+@pytest.mark.parametrize("steps_ahead", [0, 1])
+def test_every_save_the_worker_dropped_after_a_failed_load_is_planned_again(
+    steps_ahead: int,
+) -> None:
+    """The worker drops every save of the failed step (and, under asynchronous
+    scheduling, of the step planned before vLLM saw it), those of requests whose blocks
+    did not fail included: each is planned again in the next step."""
+    scheduler, _ = make_scheduler(FakeTier(held=0), steps_ahead=steps_ahead)
+    failing, other = request(1000, "failing"), request(1000, "other")
+    for req in (failing, other):
+        scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(failing, blocks(list(range(8))), 0)
+    scheduler.update_state_after_alloc(other, blocks(list(range(8, 16))), 0)
+    failed_step = scheduler.build_connector_meta(
+        step([(failing, list(range(8)), 0, 512), (other, list(range(8, 16)), 0, 512)])
+    )
+    assert len(failed_step.saves) == 4  # chunks 0 and 1 of each
+    if steps_ahead:  # planned before vLLM saw the failed step's output
+        ahead = scheduler.build_connector_meta(cached_step({"other": (512, 256)}))
+        assert [s.block_ids for s in ahead.saves] == [(12, 13)]  # other's chunk 2
+
+    scheduler.blocks_failed({1})  # the failing request's chunk 0
+    computed = 512 + 256 * steps_ahead  # the other request's tokens so far: no new chunk
+    again = scheduler.build_connector_meta(
+        cached_step({"failing": (0, 512), "other": (computed, 8)})
+    )
+
+    assert [s.block_ids for s in again.saves] == [(0, 1), (2, 3), (8, 9), (10, 11)] + (
+        [(12, 13)] if steps_ahead else []
+    )
 
 
 def test_failed_blocks_of_no_request_change_nothing() -> None:

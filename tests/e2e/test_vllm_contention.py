@@ -110,3 +110,63 @@ def test_engines_under_cpu_contention_load_every_chunk_with_the_no_cache_output(
     assert tier.metric("kvtier_ram_recycled_buffers_reused_total") > 0
     for engine in (a, b):
         assert not [k for k, v in engine.stats().items() if k.startswith("corrupt_chunks") and v]
+
+
+FAILING_ROUNDS = 2
+
+
+def test_engines_under_cpu_contention_with_failing_loads_store_only_recomputed_chunks(
+    engines: tuple[EngineProcess, EngineProcess], tier: TierProcess
+) -> None:
+    """Loads that fail while their step computes more of the prompt on top of them (tests/
+    e2e/test_vllm_text.py has the single-engine case): the saver stores 2 chunks of each
+    prompt, the second is corrupted in the tier, and the loader runs a prompt extending it
+    to 3 chunks (loads chunk 0, chunk 1 fails, chunk 2 is computed in the same step on top
+    of the unfilled blocks). The saver then runs its own prompt again (storing chunk 1
+    again, had it been missing) and the extended one, loading all 3 chunks: every output is
+    the no-cache run's."""
+    from kvtier.connector.client import TierClient
+
+    a, b = engines
+    with busy_cpus(busy_count(per_cpu=2)), TierClient(tier.target) as client:
+        for round_ in range(FAILING_ROUNDS):
+            saver, loader = (a, b) if round_ % 2 == 0 else (b, a)
+            seeds = [5000 + 10 * round_ + i for i in range(PROMPTS_PER_ROUND)]
+            short = [prompt_text(1500, seed=s) for s in seeds]
+            long = [
+                p + " " + prompt_text(800, seed=s + 1) for p, s in zip(short, seeds, strict=True)
+            ]
+            keys = [loader.chunk_keys(p) for p in long]
+            assert all(len(k) == FULL_CHUNKS for k in keys)
+            saver.generate([{"prompt": p} for p in short])
+            saver.flush()
+            for k in keys:
+                assert client.lookup(k) == 2
+                blob = bytearray(client.get(k[1:2])[0])
+                blob[-100] ^= 0xFF
+                assert client.put([(k[1], bytes(blob))]) == 1
+
+            before = loader.stats()
+            recomputed = loader.generate([{"prompt": p} for p in long])
+            loader.flush()
+            after = loader.stats()
+            reference = loader.generate(
+                [{"prompt": p, "cache_salt": f"reference-{round_}"} for p in long]
+            )
+            saver.generate([{"prompt": p} for p in short])
+            saver.flush()
+            before_saver = saver.stats()
+            loaded = saver.generate([{"prompt": p} for p in long])
+            after_saver = saver.stats()
+
+            assert tokens(recomputed) == tokens(reference), f"round {round_}: the failing loads"
+            assert after.get("corrupt_chunks:checksum", 0) - before.get(
+                "corrupt_chunks:checksum", 0
+            ) == len(long)
+            assert after.get("saves_dropped:load_failed", 0) - before.get(
+                "saves_dropped:load_failed", 0
+            ) == len(long), f"round {round_}: chunk 2 of each, computed on a failed load"
+            assert tokens(loaded) == tokens(reference), f"round {round_}: loading every chunk"
+            assert after_saver.get("loaded_chunks", 0) - before_saver.get(
+                "loaded_chunks", 0
+            ) == FULL_CHUNKS * len(long)

@@ -117,6 +117,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         specs = groups[0].specs
         self._tier = factory.connect(config, metrics.KV)
         load, save = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
+        # Steps vLLM schedules before it sees a step's output: a failed load's step and
+        # these store nothing (kv/worker.py), and are saved again (kv/scheduler.py).
+        steps_ahead = 1 if vllm_config.scheduler_config.async_scheduling else 0
         self._scheduler: KvtierScheduler | None = None
         self._worker: KvtierWorker | None = None
         self._layout_name: str | None = None
@@ -131,6 +134,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KvtierScheduler(
                 config, specs, self._tier.client, breaker=self._tier.breaker,
                 recorder=self._tier.recorder, load=load, save=save, groups=groups,
+                steps_ahead=steps_ahead,
             )  # fmt: skip
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -145,7 +149,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 breaker=self._tier.breaker,
                 recorder=self._tier.recorder,
                 groups=groups,
-                steps_ahead=1 if vllm_config.scheduler_config.async_scheduling else 0,
+                steps_ahead=steps_ahead,
             )
         logger.info(
             "kvtier: %s connector for %s, tier %s, chunk %d tokens, load=%s save=%s, "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,9 +71,12 @@ class KvtierScheduler:
         load: bool = True,
         save: bool = True,
         groups: Sequence[KVGroup] | None = None,
+        steps_ahead: int = 0,
     ) -> None:
         """``specs``: the key spec of each tensor-parallel rank, for an engine with one
-        full-attention KV cache group; ``groups`` (each with its specs): any engine."""
+        full-attention KV cache group; ``groups`` (each with its specs): any engine.
+        ``steps_ahead``: how many steps vLLM schedules before it has seen a step's
+        output (1 with its asynchronous scheduling, else 0): the worker's too."""
         self._config = config
         self._groups = list(groups or [KVGroup(specs[0].block_size, specs=tuple(specs))])
         self._anchors = [g for g, group in enumerate(self._groups) if group.kind == FULL] or [
@@ -87,6 +91,9 @@ class KvtierScheduler:
         self._chunk = config.chunk_size
         self._block = math.lcm(*(group.block_size for group in self._groups))
         self._requests: dict[str, _RequestState] = {}
+        self._planned_saves: deque[list[tuple[str, int]]] = deque(maxlen=1 + steps_ahead)
+        """(request, chunk) of the saves of the steps whose output vLLM has not seen yet:
+        the worker drops them all when one of those steps' loads fails."""
         self._reported_loads: list[str] = []
         """Requests given a reported load by ``update_state_after_alloc`` (vLLM does not
         schedule them this step: ``build_connector_meta`` plans their loads)."""
@@ -120,6 +127,7 @@ class KvtierScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan()
+        self._planned_saves.append([])
         for req_id in self._reported_loads:
             state = self._requests.get(req_id)
             if state is None:
@@ -153,13 +161,20 @@ class KvtierScheduler:
         self._requests.pop(request.request_id, None)
 
     def blocks_failed(self, block_ids: Iterable[int]) -> None:
-        """Blocks a load left unfilled (vLLM recomputes each request holding one from its
-        first such block on, and the worker stored none of that step's chunks): forget the
-        hits from the chunk of that block on, and save those chunks again as they are
-        recomputed. Only an engine with one KV cache group reports blocks (vLLM 0.32)."""
+        """Blocks a load left unfilled in the step whose output vLLM gives now. vLLM
+        recomputes each request holding one from its first such block on: forget its hit
+        from that block's chunk on, and save those chunks again as they are recomputed.
+        The worker stored none of the chunks of that step (and of the steps planned since):
+        save them again too. Only an engine with one KV cache group reports blocks (vLLM
+        0.32)."""
         failed = set(block_ids)
         if not failed:
             return
+        for planned in self._planned_saves:
+            for req_id, chunk in planned:
+                saved = self._requests.get(req_id)
+                if saved is not None:
+                    saved.next_save = min(saved.next_save, chunk)
         for state in self._requests.values():
             table = state.block_ids[0] if state.block_ids else []
             first = next((i for i, b in enumerate(table) if b in failed), None)
@@ -232,9 +247,7 @@ class KvtierScheduler:
             return found
         # Every end a later call may take (a preempted request has more tokens), at most
         # ``found`` chunks: the chunks from the shortest one's window on.
-        first = min(
-            self._groups[g].first_kept(self._usable(found, num_tokens)) for g in others
-        )
+        first = min(self._groups[g].first_kept(self._usable(found, num_tokens)) for g in others)
         needed = [k[g][0] for k in keys[first // self._chunk : found] for g in others]
         if self._lookup(needed) == len(needed):
             return found
@@ -308,7 +321,9 @@ class KvtierScheduler:
             if load_range is not None:
                 plan.loads.append(self._load_plan(req_id, state, *load_range))
             if self._save:
+                first = state.next_save
                 plan.saves.extend(self._save_plan(state, computed))
+                self._planned_saves[-1].extend((req_id, c) for c in range(first, state.next_save))
         except Exception:
             # Never leave promised blocks unfilled: have the worker report them failed.
             logger.exception("kvtier: planning request %s failed; recomputing it", req_id)

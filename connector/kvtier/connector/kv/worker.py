@@ -235,7 +235,9 @@ class KvtierWorker:
             try:
                 copier.load([c for _, c in chunks], keep.get(group, []))
             except Exception:
-                logger.exception("kvtier: copying %d chunk(s) into the KV cache failed", len(chunks))
+                logger.exception(
+                    "kvtier: copying %d chunk(s) into the KV cache failed", len(chunks)
+                )
                 for request, chunk in chunks:
                     self._fail(request, chunk.block_ids)
                 copier.release(wait=True)
