@@ -17,6 +17,7 @@ from kvtier.connector.chunks.keys import KeySpec
 from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.errors import TierUnavailable
+from kvtier.connector.kv.groups import SLIDING_WINDOW, KVGroup
 from kvtier.connector.kv.plan import StepPlan
 from kvtier.connector.kv.scheduler import KvtierScheduler
 from kvtier.connector.metrics import Recorder
@@ -325,16 +326,65 @@ def test_every_save_the_worker_dropped_after_a_failed_load_is_planned_again(
     )
 
 
-def test_failed_blocks_of_no_request_change_nothing() -> None:
+def test_failed_blocks_of_no_request_replan_only_the_dropped_saves() -> None:
     scheduler, _ = make_scheduler(FakeTier(held=1))
     req = request(1000)
     ext, _ = scheduler.get_num_new_matched_tokens(req, 0)
     ids = list(range(8))
     scheduler.update_state_after_alloc(req, blocks(ids), ext)
-    scheduler.build_connector_meta(step([(req, ids, 256, 744)]))
+    first = scheduler.build_connector_meta(step([(req, ids, 256, 744)]))
+    assert [s.block_ids for s in first.saves] == [(2, 3), (4, 5)]
     scheduler.blocks_failed(set())
-    scheduler.blocks_failed({50, 51})
-    assert scheduler.get_num_new_matched_tokens(req, 0)[0] == 256
+    scheduler.blocks_failed({50, 51})  # the worker dropped this step's saves all the same
+    again = scheduler.build_connector_meta(cached_step({"r": (1000, 1)}))
+    assert [s.block_ids for s in again.saves] == [(2, 3), (4, 5)]
+    assert scheduler.get_num_new_matched_tokens(req, 0)[0] == 256  # the hit stands
+
+
+def test_a_request_that_shared_a_failed_block_and_is_not_recomputed_saves_nothing_from_it() -> None:
+    """Asynchronous scheduling: D hit A's blocks in vLLM's prefix cache in the step planned
+    before vLLM saw that A's load of them failed. vLLM recomputes A from the failed block
+    but keeps what D computed on it: D's chunks from that block's chunk on are never
+    saved; A's are, once vLLM is seen recomputing them."""
+    scheduler, _ = make_scheduler(FakeTier(held=0), steps_ahead=1)
+    a, d = request(1000, "a"), request(1000, "d")
+    for req in (a, d):
+        scheduler.get_num_new_matched_tokens(req, 0)
+    a_ids, d_ids = list(range(8)), [0, 1, 2, 3, 40, 41, 42, 43]  # D shares chunks 0 and 1
+    scheduler.update_state_after_alloc(a, blocks(a_ids), 0)
+    scheduler.build_connector_meta(step([(a, a_ids, 0, 1000)]))  # the failed step
+    scheduler.update_state_after_alloc(d, blocks(d_ids), 0)
+    scheduler.build_connector_meta(step([(d, d_ids, 512, 488)]))  # planned before vLLM saw it
+
+    scheduler.blocks_failed({2})  # A's chunk 1
+    after = scheduler.build_connector_meta(cached_step({"a": (256, 744), "d": (1000, 1)}))
+    later = scheduler.build_connector_meta(cached_step({"a": (1000, 1), "d": (1001, 1)}))
+
+    assert [s.block_ids for s in after.saves] == [(0, 1), (2, 3), (4, 5), (0, 1)]  # D: chunk 0
+    assert later.saves == []
+
+
+def test_an_engine_whose_one_group_frees_blocks_replans_nothing() -> None:
+    """A sliding window's old block ids may be freed and reused since the step planned
+    them: nothing is saved from them again (the worker's drop stands)."""
+    spec = KeySpec(model_id="m", block_size=BLOCK, chunk_size=CHUNK)
+    group = KVGroup(BLOCK, SLIDING_WINDOW, 256, specs=(spec,))
+    cfg = ConnectorConfig.from_extra_config({"target": "h:1", "chunk_size": CHUNK})
+    breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
+    scheduler = KvtierScheduler(
+        cfg, [spec], FakeTier(), breaker=breaker, recorder=Recorder(), groups=[group]
+    )
+    req = request(1000)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    ids = list(range(10, 18))  # 0 is vLLM's null block
+    scheduler.update_state_after_alloc(req, blocks(ids), 0)
+    first = scheduler.build_connector_meta(step([(req, ids, 0, 1000)]))
+    assert first.saves
+
+    scheduler.blocks_failed({10})
+    again = scheduler.build_connector_meta(cached_step({"r": (0, 1000)}))
+
+    assert again.saves == []
 
 
 def test_finished_request_is_forgotten() -> None:

@@ -162,7 +162,7 @@ def test_chunks_computed_on_top_of_a_failed_load_are_stored_only_once_recomputed
     assert client.put([(keys[1], bytes(blob))]) == 1
     before = b.stats()
 
-    (out,) = b.generate([{"prompt": long}])  # the failed load's step computes chunks 3 on
+    (out,) = b.generate([{"prompt": long}])  # the failed load's step computes chunks 3 to 6
     b.flush()
 
     after = b.stats()

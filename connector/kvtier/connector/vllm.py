@@ -119,7 +119,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         load, save = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
         # Steps vLLM schedules before it sees a step's output: a failed load's step and
         # these store nothing (kv/worker.py), and are saved again (kv/scheduler.py).
-        steps_ahead = 1 if vllm_config.scheduler_config.async_scheduling else 0
+        steps_ahead = max(0, int(vllm_config.max_concurrent_batches) - 1)
         self._scheduler: KvtierScheduler | None = None
         self._worker: KvtierWorker | None = None
         self._layout_name: str | None = None

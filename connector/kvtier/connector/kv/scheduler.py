@@ -57,6 +57,9 @@ class _RequestState:
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV cache group: the request's blocks (vLLM's block table)."""
     next_save: int = 0
+    unfilled_from: int | None = None
+    """The first token of a block of this request a load left unfilled, until vLLM is seen
+    recomputing from there: no chunk from that block's on is saved meanwhile."""
 
 
 class KvtierScheduler:
@@ -140,6 +143,7 @@ class KvtierScheduler:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids]
+                self._recomputing(state, new.num_computed_tokens)
                 self._plan(plan, new.req_id, state, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -154,6 +158,7 @@ class KvtierScheduler:
                     state.block_ids = [[] for _ in new_ids]
                 for ids, added in zip(state.block_ids, new_ids, strict=True):
                     ids.extend(added)
+            self._recomputing(state, cached.num_computed_tokens[i])
             self._plan(plan, req_id, state, cached.num_computed_tokens[i] + scheduled[req_id])
         return plan
 
@@ -161,14 +166,19 @@ class KvtierScheduler:
         self._requests.pop(request.request_id, None)
 
     def blocks_failed(self, block_ids: Iterable[int]) -> None:
-        """Blocks a load left unfilled in the step whose output vLLM gives now. vLLM
-        recomputes each request holding one from its first such block on: forget its hit
-        from that block's chunk on, and save those chunks again as they are recomputed.
-        The worker stored none of the chunks of that step (and of the steps planned since):
-        save them again too. Only an engine with one KV cache group reports blocks (vLLM
-        0.32)."""
+        """Blocks a load left unfilled in the step whose output vLLM gives now (only an
+        engine with one KV cache group reports blocks, vLLM 0.32).
+
+        The worker stored none of the chunks of that step and of the steps planned since:
+        they are planned again. A request holding one of the blocks saves nothing from that
+        block's chunk on until vLLM is seen recomputing it from there (``_plan``): vLLM
+        recomputes the request whose load failed, but a request that shared the block
+        through vLLM's prefix cache in a step planned before vLLM saw the failure
+        (asynchronous scheduling) keeps what it computed on it, and is never saved from
+        there. An engine whose one group frees blocks (a sliding window) re-plans nothing:
+        the block ids kvtier keeps for it may have been freed since."""
         failed = set(block_ids)
-        if not failed:
+        if not failed or self._groups[0].kind != FULL:
             return
         for planned in self._planned_saves:
             for req_id, chunk in planned:
@@ -180,10 +190,20 @@ class KvtierScheduler:
             first = next((i for i, b in enumerate(table) if b in failed), None)
             if first is None:
                 continue
-            chunk = first * self._groups[0].block_size // self._chunk
-            state.next_save = min(state.next_save, chunk)
+            start = first * self._groups[0].block_size
+            chunk = start // self._chunk
+            if state.unfilled_from is None or start < state.unfilled_from:
+                state.unfilled_from = start
             if state.hit_chunks is not None:
                 state.hit_chunks = min(state.hit_chunks, chunk)
+
+    def _recomputing(self, state: _RequestState, computed: int) -> None:
+        """vLLM schedules the request from ``computed`` tokens on: if that is at or before
+        a block a load left unfilled, it recomputes it, and the chunks from there are saved
+        again as they complete."""
+        if state.unfilled_from is not None and computed <= state.unfilled_from:
+            state.next_save = min(state.next_save, state.unfilled_from // self._chunk)
+            state.unfilled_from = None
 
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """Reported loads that failed (vLLM recomputes the request from its start): forget
@@ -354,9 +374,12 @@ class KvtierScheduler:
         return RequestLoad(req_id, tuple(loads), report=self._reported)
 
     def _save_plan(self, state: _RequestState, computed: int) -> list[ChunkSave]:
-        """Chunks completed by ``computed`` tokens that the tier does not hold yet."""
+        """Chunks completed by ``computed`` tokens that the tier does not hold yet (none
+        from a block a load left unfilled on, until vLLM recomputes it)."""
         saves: list[ChunkSave] = []
         done = min(len(state.keys), computed // self._chunk)
+        if state.unfilled_from is not None:
+            done = min(done, state.unfilled_from // self._chunk)
         while state.next_save < done:
             c = state.next_save
             chunk = []
