@@ -25,10 +25,6 @@ def test_scripts_demo_loads_repeats_from_the_tier_over_the_data_port(tmp_path: P
     (image_at,) = re.findall(r"it starts at token (\d+)", out)
     assert hits == [0, length // 256 * 256, int(image_at) // 256 * 256]
     assert "[demo] request 2 output identical to request 1: True" in out
-    gets, puts = map(
-        int, re.search(r"answered (\d+) Get and (\d+) Put calls on its data port", out).groups()
-    )
+    gets, puts = map(int, re.search(r"answered (\d+) Get and (\d+) Put calls on its data port", out).groups())
     assert gets >= 2 and puts >= 1
-    assert out.rstrip().endswith(
-        "[demo] OK: repeats load from the tier, another image misses from the image on"
-    )
+    assert out.rstrip().endswith("[demo] OK: repeats load from the tier, another image misses from the image on")

@@ -37,8 +37,6 @@ def test_every_kvtier_bench_module_the_docs_run_exists() -> None:
     named = quoted(r"-m kvtier\.bench\.([a-z_]+)")
     assert named
     missing = {
-        (doc, name)
-        for doc, name in named
-        if not (ROOT / "kvtier" / "bench" / f"{name}.py").exists()
+        (doc, name) for doc, name in named if not (ROOT / "kvtier" / "bench" / f"{name}.py").exists()
     }
     assert missing == set()

@@ -25,9 +25,7 @@ def hello(port: int) -> int:
         return int(dw.REPLY.unpack(head)[3])
 
 
-def test_a_tiers_grpc_metrics_and_data_ports_differ_and_each_serves_its_protocol(
-    tmp_path: Path,
-) -> None:
+def test_a_tiers_grpc_metrics_and_data_ports_differ_and_each_serves_its_protocol(tmp_path: Path) -> None:
     tier = TierProcess.start(tmp_path / "tier", data_port=True)
     try:
         assert len({tier.port, tier.metrics_port, tier.data_port}) == 3
@@ -67,27 +65,16 @@ def test_the_harness_turns_on_what_the_operator_renders_for_a_default_tier(tmp_p
     from kvtier.operator.children import tier_settings
     from kvtier.operator.spec import parse_cache_tier
 
-    body = {
-        "kind": "CacheTier",
-        "metadata": {"name": "t", "namespace": "ns", "uid": "u"},
-        "spec": {},
-    }
+    body = {"kind": "CacheTier", "metadata": {"name": "t", "namespace": "ns", "uid": "u"}, "spec": {}}
     rendered = tier_settings(parse_cache_tier(body))
     tier = TierProcess.start(tmp_path / "tier")
     try:
-        for env, port in (
-            ("KVTIER_DATA_PORT", tier.data_port),
-            ("KVTIER_METRICS_PORT", tier.metrics_port),
-        ):
-            assert (rendered[env] != "0") == (port != 0), (
-                f"{env}: the operator renders {rendered[env]}"
-            )
+        for env, port in (("KVTIER_DATA_PORT", tier.data_port), ("KVTIER_METRICS_PORT", tier.metrics_port)):
+            assert (rendered[env] != "0") == (port != 0), f"{env}: the operator renders {rendered[env]}"
         with TierClient(tier.target) as auto:  # the connector's default path
             auto.put([(b"k", b"v")])
             assert auto.transport == "data"
         # The tier counts a request once its reply is sent: the count may trail the reply.
-        assert wait_for(
-            lambda: tier.metric("kvtier_server_requests_total", op="DataPut", code="OK") == 1
-        )
+        assert wait_for(lambda: tier.metric("kvtier_server_requests_total", op="DataPut", code="OK") == 1)
     finally:
         tier.stop()

@@ -29,9 +29,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
     return json.loads(out.read_text()), proc.stdout
 
 
-def test_every_key_count_reports_metadata_and_latency_percentiles(
-    tiny_run: tuple[dict[str, Any], str],
-) -> None:
+def test_every_key_count_reports_metadata_and_latency_percentiles(tiny_run: tuple[dict[str, Any], str]) -> None:
     data, _ = tiny_run
     assert [r["keys"] for r in data["keys"]] == [200, 1000]
     for r in data["keys"]:
@@ -40,9 +38,7 @@ def test_every_key_count_reports_metadata_and_latency_percentiles(
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
 
 
-def test_every_client_count_reads_and_reports_throughput(
-    tiny_run: tuple[dict[str, Any], str],
-) -> None:
+def test_every_client_count_reads_and_reports_throughput(tiny_run: tuple[dict[str, Any], str]) -> None:
     data, _ = tiny_run
     assert [r["clients"] for r in data["clients"]] == [1, 3]
     for r in data["clients"]:

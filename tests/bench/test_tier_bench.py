@@ -71,9 +71,7 @@ def test_goals_are_reported_for_kvtier(tiny_run: tuple[dict[str, Any], str, str]
     assert "Goals (kvtier RAM):" in stdout
 
 
-def test_the_redis_and_disk_tiers_are_held_to_their_own_ceilings(
-    tiny_run: tuple[dict[str, Any], str, str],
-) -> None:
+def test_the_redis_and_disk_tiers_are_held_to_their_own_ceilings(tiny_run: tuple[dict[str, Any], str, str]) -> None:
     data, stdout, _ = tiny_run
     cfg = data["config"]
     every_cell = len(cfg["sizes_mib"]) * len(cfg["clients"]) * 2
@@ -116,12 +114,7 @@ def test_a_goal_against_a_baseline_left_out_of_the_run_is_not_listed() -> None:
               "rounds": 1, "frame_bytes": 4 << 20, "batch_mib": 64, "mib_per_client": 64}  # fmt: skip
     machine = {"cpus": 2, "cpu_model": "any", "python": "3"}
     results = Results(config, machine)
-    speeds = {
-        ("raw TCP", 4): 4.0,
-        ("raw TCP", 64): 4.0,
-        ("kvtier RAM", 4): 2.0,
-        ("kvtier RAM", 64): 1.0,
-    }
+    speeds = {("raw TCP", 4): 4.0, ("raw TCP", 64): 4.0, ("kvtier RAM", 4): 2.0, ("kvtier RAM", 64): 1.0}
     for (backend, size), gbps in speeds.items():
         for op in ("GET", "PUT"):
             results.cells[(backend, op, size, 1)] = Cell(backend, op, size, 1, [gbps], 1 << 30, 0.1)
@@ -146,9 +139,7 @@ def test_same_node_goals_are_judged_against_raw_tcp_and_memcpy_of_the_same_run()
     for backend, gbps in speeds.items():
         for size in (1, 4):
             for op in ("GET", "PUT"):
-                results.cells[(backend, op, size, 1)] = Cell(
-                    backend, op, size, 1, [gbps], 1 << 30, 0.1
-                )
+                results.cells[(backend, op, size, 1)] = Cell(backend, op, size, 1, [gbps], 1 << 30, 0.1)
 
     goals = {(g["goal"], g["op"], g["size_mib"]): (round(g["ratio"], 2), g["met"])
              for g in results.goals("kvtier same-node")}  # fmt: skip

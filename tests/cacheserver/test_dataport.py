@@ -125,14 +125,9 @@ def test_get_stops_at_the_first_miss_only_when_asked(client: TierClient) -> None
     assert as_bytes(client.get([b"a", b"b", b"c"], stop_at_first_miss=False)) == [b"1", None, b"3"]
 
 
-def test_values_are_the_same_entries_over_grpc_and_over_the_data_port(
-    data_tier: tuple[TierProcess, int],
-) -> None:
+def test_values_are_the_same_entries_over_grpc_and_over_the_data_port(data_tier: tuple[TierProcess, int]) -> None:
     tier, _ = data_tier
-    with (
-        TierClient(tier.target, data_path="data") as data,
-        TierClient(tier.target, data_path="grpc") as grpc_,
-    ):
+    with TierClient(tier.target, data_path="data") as data, TierClient(tier.target, data_path="grpc") as grpc_:
         data.put([(b"via-data", b"d")])
         grpc_.put([(b"via-grpc", b"g")])
         assert as_bytes(grpc_.get([b"via-data"])) == [b"d"]
@@ -160,9 +155,7 @@ def test_threads_sharing_one_client_each_read_back_what_they_wrote(client: TierC
     assert not errors
 
 
-def test_metrics_count_data_port_requests_and_bytes(
-    data_tier: tuple[TierProcess, int], client: TierClient
-) -> None:
+def test_metrics_count_data_port_requests_and_bytes(data_tier: tuple[TierProcess, int], client: TierClient) -> None:
     tier, _ = data_tier
     client.put([(b"m", b"x" * 1000)])
     client.get([b"m", b"none"], stop_at_first_miss=False)
@@ -177,37 +170,26 @@ def test_metrics_count_data_port_requests_and_bytes(
 
 
 def test_too_many_keys_is_resource_exhausted_naming_the_field(client: TierClient) -> None:
-    with pytest.raises(
-        TierRejected,
-        match=r"RESOURCE_EXHAUSTED: DataGet.count: 65 keys .* at most 64 \(--max-keys\)",
-    ):
+    with pytest.raises(TierRejected, match=r"RESOURCE_EXHAUSTED: DataGet.count: 65 keys .* at most 64 \(--max-keys\)"):
         client.get([b"k%d" % i for i in range(65)])
     assert client.put([(b"after", b"ok")]) == 1  # the client and the tier carry on
 
 
 def test_a_value_over_the_limit_is_resource_exhausted_and_not_stored(client: TierClient) -> None:
-    with pytest.raises(
-        TierRejected,
-        match=r"RESOURCE_EXHAUSTED: DataPut.values\[1\].length: .* \(--max-value-bytes\)",
-    ):
+    with pytest.raises(TierRejected, match=r"RESOURCE_EXHAUSTED: DataPut.values\[1\].length: .* \(--max-value-bytes\)"):
         client.put([(b"small", b"s"), (b"huge", bytes((80 << 20) + 1))])
     assert client.get([b"small", b"huge"], stop_at_first_miss=False) == [None, None]
 
 
 def test_an_oversized_or_empty_key_is_invalid_and_nothing_is_stored(client: TierClient) -> None:
-    with pytest.raises(
-        TierRejected,
-        match=r"INVALID_ARGUMENT: DataPut.keys\[0\]: key of 257 bytes; keys are 1..256",
-    ):
+    with pytest.raises(TierRejected, match=r"INVALID_ARGUMENT: DataPut.keys\[0\]: key of 257 bytes; keys are 1..256"):
         client.put([(b"k" * 257, b"v")])
     with pytest.raises(TierRejected, match=r"INVALID_ARGUMENT: DataGet.keys\[1\]: key of 0 bytes"):
         client.get([b"a", b""])
     assert client.get([b"k" * 256]) == [None]
 
 
-def test_a_connection_cut_mid_value_stores_nothing_of_it(
-    data_tier: tuple[TierProcess, int],
-) -> None:
+def test_a_connection_cut_mid_value_stores_nothing_of_it(data_tier: tuple[TierProcess, int]) -> None:
     tier, port = data_tier
     first, second = value(1 << 20), value(4 << 20, 1)
     table = dw.put_table([(b"first", len(first)), (b"second", len(second))])
@@ -246,9 +228,7 @@ def test_garbage_bytes_get_an_error_reply_and_the_tier_keeps_serving(
     assert as_bytes(client.get([b"still"])) == [b"up"]
 
 
-def test_a_client_idle_or_stalled_past_the_data_timeout_is_dropped(
-    start_tier: Callable[..., TierProcess],
-) -> None:
+def test_a_client_idle_or_stalled_past_the_data_timeout_is_dropped(start_tier: Callable[..., TierProcess]) -> None:
     tier, port = start_data_tier(start_tier, "--data-timeout", "1s")
     with raw_connect(port) as idle:
         assert closed_by_peer(idle, 10)
@@ -259,14 +239,10 @@ def test_a_client_idle_or_stalled_past_the_data_timeout_is_dropped(
         c.put([(b"k", b"v")])
         time.sleep(2)  # the tier drops the pooled connection; the client replaces it
         assert as_bytes(c.get([b"k"])) == [b"v"]
-    assert (
-        tier.metric("kvtier_server_requests_total", op="DataInvalid", code="DEADLINE_EXCEEDED") == 1
-    )
+    assert tier.metric("kvtier_server_requests_total", op="DataInvalid", code="DEADLINE_EXCEEDED") == 1
 
 
-def test_a_frozen_tier_costs_the_client_its_deadline_not_a_hang(
-    data_tier: tuple[TierProcess, int],
-) -> None:
+def test_a_frozen_tier_costs_the_client_its_deadline_not_a_hang(data_tier: tuple[TierProcess, int]) -> None:
     tier, _ = data_tier
     with TierClient(tier.target, data_path="data", timeout_s=1) as c:
         c.put([(b"k", b"v")])
@@ -294,9 +270,7 @@ def test_tenants_are_isolated_and_a_missing_or_unknown_token_is_unauthenticated(
         a.put([(b"prefix", b"of a")])
         assert as_bytes(a.get([b"prefix"])) == [b"of a"]
         assert b.get([b"prefix"]) == [None]
-        assert b.get([b"prefix"], stop_at_first_miss=False) == b.get(
-            [b"never"], stop_at_first_miss=False
-        )
+        assert b.get([b"prefix"], stop_at_first_miss=False) == b.get([b"never"], stop_at_first_miss=False)
     for token in (None, "x" * 40):
         with (
             TierClient(tier.target, token=token, data_path="data") as no,
@@ -332,9 +306,7 @@ def test_tls_and_mutual_tls_protect_the_data_port(
         assert c.put([(b"k", big)]) == 1
         assert as_bytes(c.get([b"k"])) == [big]
     with (
-        TierClient(
-            tier.target, token=TOKEN_A, data_path="data", tls_ca_file=str(tls_files.ca), timeout_s=3
-        ) as no_cert,
+        TierClient(tier.target, token=TOKEN_A, data_path="data", tls_ca_file=str(tls_files.ca), timeout_s=3) as no_cert,
         pytest.raises(TierUnavailable),
     ):
         no_cert.get([b"k"])
@@ -352,24 +324,17 @@ def test_tls_and_mutual_tls_protect_the_data_port(
 # -- choosing the path -------------------------------------------------------------------------
 
 
-def test_auto_uses_grpc_when_the_tier_has_no_data_port(
-    start_tier: Callable[..., TierProcess],
-) -> None:
+def test_auto_uses_grpc_when_the_tier_has_no_data_port(start_tier: Callable[..., TierProcess]) -> None:
     tier = start_tier(data_port=False)
     with TierClient(tier.target) as auto:
         auto.put([(b"k", b"v")])
         assert as_bytes(auto.get([b"k"])) == [b"v"]
     assert tier.metric("kvtier_server_requests_total", op="Put", code="OK") == 1
-    with (
-        TierClient(tier.target, data_path="data") as data,
-        pytest.raises(TierUnavailable, match="no data port"),
-    ):
+    with TierClient(tier.target, data_path="data") as data, pytest.raises(TierUnavailable, match="no data port"):
         data.get([b"k"])
 
 
-def test_auto_uses_the_data_port_when_the_tier_advertises_one(
-    data_tier: tuple[TierProcess, int],
-) -> None:
+def test_auto_uses_the_data_port_when_the_tier_advertises_one(data_tier: tuple[TierProcess, int]) -> None:
     tier, _ = data_tier
     with TierClient(tier.target) as auto:
         auto.put([(b"k", b"v")])
@@ -388,9 +353,5 @@ def test_auto_falls_back_to_grpc_when_the_data_port_cannot_be_reached(
         assert as_bytes(auto.get([b"k"])) == [b"v"]
     assert tier.metric("kvtier_server_requests_total", op="Put", code="OK") == 1
     assert tier.metric("kvtier_server_requests_total", op="Get", code="OK") == 1
-    warnings = [
-        r
-        for r in caplog.records
-        if "moving values over gRPC" in r.getMessage() and r.levelname == "WARNING"
-    ]
+    warnings = [r for r in caplog.records if "moving values over gRPC" in r.getMessage() and r.levelname == "WARNING"]
     assert len(warnings) == 1

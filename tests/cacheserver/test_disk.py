@@ -70,13 +70,9 @@ async def test_swapped_files_are_detected_deleted_and_counted(tmp_path: Path) ->
     assert files(tmp_path) == []
 
 
-async def test_a_half_written_temporary_file_is_never_visible_and_is_cleaned_at_start(
-    tmp_path: Path,
-) -> None:
+async def test_a_half_written_temporary_file_is_never_visible_and_is_cleaned_at_start(tmp_path: Path) -> None:
     tier = await opened(tmp_path)
-    (tmp_path / "tmp" / "leftover.1234").write_bytes(
-        record.encode(b"\x07default" + b"x", b"partial")[:10]
-    )
+    (tmp_path / "tmp" / "leftover.1234").write_bytes(record.encode(b"\x07default" + b"x", b"partial")[:10])
     again = await opened(tmp_path)
     assert again.usage().entries == 0
     assert list((tmp_path / "tmp").iterdir()) == []
@@ -171,9 +167,7 @@ async def test_open_record_hands_over_the_record_file_with_its_header_checked(
     else:
         probe = record.open_file_nowait(file, b"k")
         if probe is None:
-            pytest.skip(
-                "no openat2(RESOLVE_CACHED) or RWF_NOWAIT reads on this kernel and file system"
-            )
+            pytest.skip("no openat2(RESOLVE_CACHED) or RWF_NOWAIT reads on this kernel and file system")
         probe.close()
     got = await tier.open_record(b"k")
     assert got is not None
@@ -216,9 +210,7 @@ async def test_open_record_out_of_descriptors_is_a_miss_not_a_failed_tier(tmp_pa
     got.close()
 
 
-async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_record(
-    tmp_path: Path,
-) -> None:
+async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_record(tmp_path: Path) -> None:
     tier = await opened(tmp_path)
     old, new = os.urandom(1 << 20), os.urandom(1 << 20)
     await tier.put(b"k", old)
@@ -233,9 +225,7 @@ async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_reco
 
 
 @pytest.mark.parametrize("damage", ["another key's record", "a truncated file", "bad magic"])
-async def test_open_record_of_a_bad_header_is_a_miss_deleted_and_counted(
-    tmp_path: Path, damage: str
-) -> None:
+async def test_open_record_of_a_bad_header_is_a_miss_deleted_and_counted(tmp_path: Path, damage: str) -> None:
     tier = await opened(tmp_path)
     await tier.put(b"a", os.urandom(4096))
     await tier.put(b"b", os.urandom(4096))
@@ -263,9 +253,7 @@ async def test_put_checked_writes_the_same_record_as_put(tmp_path: Path) -> None
     b = await opened(tmp_path / "b")
     assert await a.put(b"k", value)
     assert await b.put_checked(b"k", memoryview(bytearray(value)), xxhash.xxh3_64_intdigest(value))
-    assert [p.read_bytes() for p in files(tmp_path / "a")] == [
-        p.read_bytes() for p in files(tmp_path / "b")
-    ]
+    assert [p.read_bytes() for p in files(tmp_path / "a")] == [p.read_bytes() for p in files(tmp_path / "b")]
     assert stat.S_IMODE(files(tmp_path / "b")[0].stat().st_mode) == 0o400
     got = await b.get(b"k")
     assert got is not None and bytes(got) == value

@@ -37,9 +37,7 @@ def _disk_files(tier: TierProcess) -> tuple[int, int, list[Path]]:
     return len(records), sum(p.stat().st_size for p in records), leftovers
 
 
-def test_a_filesystem_full_before_disk_bytes_lowers_the_capacity_and_keeps_serving(
-    tier: TierProcess,
-) -> None:
+def test_a_filesystem_full_before_disk_bytes_lowers_the_capacity_and_keeps_serving(tier: TierProcess) -> None:
     values = {b"k%02d" % i: os.urandom(VALUE) for i in range(24)}
     with TierClient(tier.target, timeout_s=10) as client:
         for key, data in values.items():

@@ -30,18 +30,14 @@ ALLOWED = {
 
 @pytest.fixture(scope="module")
 def fuzz_tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierProcess]:
-    tier = TierProcess.start(
-        tmp_path_factory.mktemp("fuzz"), "--max-value-bytes", "1MiB", "--max-keys", "64"
-    )
+    tier = TierProcess.start(tmp_path_factory.mktemp("fuzz"), "--max-value-bytes", "1MiB", "--max-keys", "64")
     yield tier
     tier.stop()
 
 
 @pytest.fixture(scope="module")
 def channel(fuzz_tier: TierProcess) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(
-        fuzz_tier.target, options=[("grpc.max_receive_message_length", 64 << 20)]
-    ) as ch:
+    with grpc.insecure_channel(fuzz_tier.target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         yield ch
 
 
@@ -81,27 +77,15 @@ def call(channel: grpc.Channel, method: str, payload: bytes | list[bytes]) -> gr
     return grpc.StatusCode.OK
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(["Lookup", "Get", "Delete", "Stats"]), payload=message)
-def test_random_unary_requests_get_a_contract_status(
-    channel: grpc.Channel, method: str, payload: bytes
-) -> None:
+def test_random_unary_requests_get_a_contract_status(channel: grpc.Channel, method: str, payload: bytes) -> None:
     assert call(channel, method, payload) in ALLOWED
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=st.lists(st.one_of(message, big_key_frame), max_size=5))
-def test_random_put_streams_get_a_contract_status(
-    channel: grpc.Channel, frames: list[bytes]
-) -> None:
+def test_random_put_streams_get_a_contract_status(channel: grpc.Channel, frames: list[bytes]) -> None:
     assert call(channel, "Put", frames) in ALLOWED
 
 

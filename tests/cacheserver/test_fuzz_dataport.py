@@ -91,9 +91,9 @@ def healthy(tier: TierProcess) -> None:
 
 edge_u16 = st.sampled_from([0, 1, 2, MAX_KEY - 1, MAX_KEY, MAX_KEY + 1, U16]) | st.integers(0, U16)
 edge_u32 = st.sampled_from([0, 1, MAX_KEYS, MAX_KEYS + 1, 2**31, U32]) | st.integers(0, U32)
-edge_len = st.sampled_from(
-    [0, 1, MAX_VALUE - 1, MAX_VALUE, MAX_VALUE + 1, 2**32, U64]
-) | st.integers(0, 2 * MAX_VALUE)
+edge_len = st.sampled_from([0, 1, MAX_VALUE - 1, MAX_VALUE, MAX_VALUE + 1, 2**32, U64]) | st.integers(
+    0, 2 * MAX_VALUE
+)
 keys = st.binary(min_size=0, max_size=MAX_KEY + 2)
 
 
@@ -121,25 +121,16 @@ def request(draw: st.DrawFn) -> tuple[bytes, bytes]:
     flags = draw(st.sampled_from([0, dw.FLAG_STOP_AT_FIRST_MISS, U16]))
     tail = b""
     if op == Op.HELLO:
-        table = draw(
-            st.sampled_from([f"Bearer {TOKEN}".encode(), b"", b"Bearer nope", b"\xff\xfe"])
-        )
+        table = draw(st.sampled_from([f"Bearer {TOKEN}".encode(), b"", b"Bearer nope", b"\xff\xfe"]))
         count = draw(edge_u32)
     elif op == Op.GET:
         count, table = draw(get_table())
     else:
         count, table, lengths = draw(put_table())
         sent = min(sum(lengths), 2 * MAX_VALUE)
-        tail = bytes(
-            draw(st.sampled_from([0, sent, max(0, sent - 1), min(sent + 7, 2 * MAX_VALUE)]))
-        )
+        tail = bytes(draw(st.sampled_from([0, sent, max(0, sent - 1), min(sent + 7, 2 * MAX_VALUE)])))
     count = min(U32, draw(st.sampled_from([count, count, count + 1, max(0, count - 1)]) | edge_u32))
-    table_len = min(
-        U32,
-        draw(
-            st.sampled_from([len(table)] * 4 + [len(table) + 1, max(0, len(table) - 1)]) | edge_u32
-        ),
-    )
+    table_len = min(U32, draw(st.sampled_from([len(table)] * 4 + [len(table) + 1, max(0, len(table) - 1)]) | edge_u32))
     header = dw.REQUEST.pack(magic, version, op, flags, count, table_len)
     frame = header + table
     cut = draw(st.sampled_from([len(frame)] * 6 + [0, 5, 15, len(frame) // 2]))
@@ -165,9 +156,7 @@ def exchange(port: int, hello: bool, frame: bytes, tail: bytes) -> list[int]:
         except OSError:
             pass
     pos = 0  # replies are found by their magic; GET entries between them are skipped
-    while (
-        pos := data.find(dw.MAGIC + bytes([dw.VERSION]), pos)
-    ) >= 0 and pos + dw.REPLY.size <= len(data):
+    while (pos := data.find(dw.MAGIC + bytes([dw.VERSION]), pos)) >= 0 and pos + dw.REPLY.size <= len(data):
         _, _, _, status, _, _, text_len = dw.REPLY.unpack_from(data, pos)
         if status in ALLOWED | {Status.INTERNAL, Status.DEADLINE_EXCEEDED, Status.CANCELLED}:
             statuses.append(status)
@@ -242,9 +231,7 @@ def test_a_peer_that_declares_a_large_value_and_stops_is_cut_and_gives_its_budge
 def test_connections_beyond_the_limit_are_closed_and_clients_move_to_grpc(
     fuzz_tier: TierProcess, baseline: int
 ) -> None:
-    held = [
-        socket.create_connection(("127.0.0.1", fuzz_tier.data_port)) for _ in range(CONNECTIONS)
-    ]
+    held = [socket.create_connection(("127.0.0.1", fuzz_tier.data_port)) for _ in range(CONNECTIONS)]
     try:
         time.sleep(0.5)
         with socket.create_connection(("127.0.0.1", fuzz_tier.data_port), timeout=5) as extra:
@@ -255,9 +242,7 @@ def test_connections_beyond_the_limit_are_closed_and_clients_move_to_grpc(
                 got = b""
             assert got == b"", "a connection beyond --data-max-connections was served"
         assert fuzz_tier.metric("kvtier_server_data_connections") <= CONNECTIONS
-        with TierClient(
-            fuzz_tier.target, token=TOKEN, timeout_s=10
-        ) as auto:  # auto: gRPC meanwhile
+        with TierClient(fuzz_tier.target, token=TOKEN, timeout_s=10) as auto:  # auto: gRPC meanwhile
             assert auto.put([(b"over-grpc", b"v")]) == 1
             assert auto.get([b"over-grpc"]) == [b"v"]
         assert fuzz_tier.metric("kvtier_server_requests_total", op="Put", code="OK") >= 1

@@ -83,9 +83,7 @@ def exchange(path: str, data: bytes) -> list[int]:
     return statuses
 
 
-keys = st.lists(
-    st.one_of(st.sampled_from([b"k0", b"k1", b"k2"]), st.binary(max_size=300)), max_size=5
-)
+keys = st.lists(st.one_of(st.sampled_from([b"k0", b"k1", b"k2"]), st.binary(max_size=300)), max_size=5)
 key_table = keys.map(lambda ks: lw.key_table([k[:0xFFFF] for k in ks]))
 put_items = st.lists(
     st.tuples(
@@ -96,16 +94,12 @@ put_items = st.lists(
     ),
     max_size=4,
 ).map(lambda items: lw.put_table(items))
-table = st.one_of(
-    key_table, put_items, st.binary(max_size=64), st.integers(0, 2**64 - 1).map(lw.STAGE.pack)
-)
+table = st.one_of(key_table, put_items, st.binary(max_size=64), st.integers(0, 2**64 - 1).map(lw.STAGE.pack))
 request = st.builds(
-    lambda op, flags, count, body, declared: (
-        lw.REQUEST.pack(
-            lw.MAGIC, lw.VERSION, op, flags, count, len(body) if declared is None else declared
-        )
-        + body
-    ),
+    lambda op, flags, count, body, declared: lw.REQUEST.pack(
+        lw.MAGIC, lw.VERSION, op, flags, count, len(body) if declared is None else declared
+    )
+    + body,
     op=st.one_of(st.sampled_from(list(Op)), st.integers(0, 255)),
     flags=st.integers(0, 0xFFFF),
     count=st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)),
@@ -115,11 +109,7 @@ request = st.builds(
 hello = lw.request(Op.HELLO, 0, 0)
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(request, min_size=1, max_size=3), greet=st.booleans())
 def test_random_control_messages_get_a_contract_status(
     fuzz_tier: TierProcess, requests: list[bytes], greet: bool
@@ -129,11 +119,7 @@ def test_random_control_messages_get_a_contract_status(
         assert status in ALLOWED
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=200))
 def test_random_bytes_get_a_contract_status(fuzz_tier: TierProcess, data: bytes) -> None:
     for status in exchange(fuzz_tier.local_socket, data):
@@ -148,10 +134,6 @@ def test_the_tier_survived_the_fuzz_without_an_unhandled_exception(fuzz_tier: Ti
     assert "Traceback" not in log and "internal error" not in log
     metrics = fuzz_tier.metrics()
     assert 'code="INTERNAL"' not in metrics
-    assert (
-        fuzz_tier.metric("kvtier_server_incoming_bytes") == 0
-    )  # every staging segment went with its connection
+    assert fuzz_tier.metric("kvtier_server_incoming_bytes") == 0  # every staging segment went with its connection
     assert fuzz_tier.metric("kvtier_local_leased_bytes") == 0
-    assert (
-        len(os.listdir(f"/proc/{fuzz_tier.proc.pid}/fd")) < 100
-    )  # record files handed over were closed
+    assert len(os.listdir(f"/proc/{fuzz_tier.proc.pid}/fd")) < 100  # record files handed over were closed

@@ -43,16 +43,12 @@ def as_bytes(values: list[bytes | memoryview | None]) -> list[bytes | None]:
 
 @pytest.fixture
 def local_tier(start_tier: Callable[..., TierProcess]) -> TierProcess:
-    return start_tier(
-        "--max-keys", "64", "--max-value-bytes", "80MiB", local_socket=True, data_port=True
-    )
+    return start_tier("--max-keys", "64", "--max-value-bytes", "80MiB", local_socket=True, data_port=True)
 
 
 @pytest.fixture
 def client(local_tier: TierProcess) -> Iterator[TierClient]:
-    with TierClient(
-        local_tier.target, local_socket=local_tier.local_socket, timeout_s=30, data_path="local"
-    ) as c:
+    with TierClient(local_tier.target, local_socket=local_tier.local_socket, timeout_s=30, data_path="local") as c:
         yield c
 
 
@@ -90,9 +86,7 @@ def test_get_stops_at_the_first_miss_only_when_asked(client: TierClient) -> None
     assert as_bytes(client.get([b"a", b"b", b"c"], stop_at_first_miss=False))[:2] == [b"1", None]
 
 
-def test_lookup_delete_and_stats_answer_over_the_socket(
-    local_tier: TierProcess, client: TierClient
-) -> None:
+def test_lookup_delete_and_stats_answer_over_the_socket(local_tier: TierProcess, client: TierClient) -> None:
     client.put([(b"a", b"1"), (b"b", value(MIB))])
     assert client.lookup([b"a", b"b", b"c", b"a"]) == 2
     assert client.delete([b"a", b"zz"]) == 1
@@ -101,9 +95,7 @@ def test_lookup_delete_and_stats_answer_over_the_socket(
     assert stats.tenant == "default" and [t.name for t in stats.tiers] == ["ram", "disk"]
     for op in ("LocalLookup", "LocalDelete", "LocalStats"):
         assert local_tier.metric("kvtier_server_requests_total", op=op, code="OK") >= 1
-    assert (
-        local_tier.metric("kvtier_server_requests_total", op="Lookup", code="OK") == 0
-    )  # never gRPC
+    assert local_tier.metric("kvtier_server_requests_total", op="Lookup", code="OK") == 0  # never gRPC
 
 
 def test_a_large_value_is_answered_with_where_it_lies_not_with_its_bytes(
@@ -126,9 +118,7 @@ def test_a_large_value_is_answered_with_where_it_lies_not_with_its_bytes(
 
 def test_values_are_the_same_entries_over_every_transport(local_tier: TierProcess) -> None:
     with (
-        TierClient(
-            local_tier.target, local_socket=local_tier.local_socket, data_path="local"
-        ) as local,
+        TierClient(local_tier.target, local_socket=local_tier.local_socket, data_path="local") as local,
         TierClient(local_tier.target, data_path="data") as data,
         TierClient(local_tier.target, data_path="grpc") as grpc_,
     ):
@@ -140,9 +130,7 @@ def test_values_are_the_same_entries_over_every_transport(local_tier: TierProces
         assert local_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 1
 
 
-def test_metrics_count_local_requests_and_value_bytes(
-    local_tier: TierProcess, client: TierClient
-) -> None:
+def test_metrics_count_local_requests_and_value_bytes(local_tier: TierProcess, client: TierClient) -> None:
     client.put([(b"m", b"x" * 1000), (b"n", value(MIB))])
     client.get([b"m", b"n", b"none"], stop_at_first_miss=False)
     # A Put call sends a PUT request per half of its staging segment (here: two).
@@ -168,17 +156,9 @@ def test_the_socket_is_group_writable_and_only_that(local_tier: TierProcess) -> 
 def test_readers_never_see_a_value_half_old_half_new_while_writers_replace_and_evict(
     start_tier: Callable[..., TierProcess],
 ) -> None:
-    tier = start_tier(
-        "--ram-bytes",
-        "48MiB",
-        "--disk-bytes",
-        "0",
-        "--incoming-bytes",
-        "64MiB",
-        "--max-value-bytes",
-        "8MiB",
+    tier = start_tier("--ram-bytes", "48MiB", "--disk-bytes", "0", "--incoming-bytes", "64MiB", "--max-value-bytes", "8MiB",
         local_socket=True,
-    )
+)
     keys = [b"k%d" % i for i in range(6)]
     size = 3 * MIB
     stop = threading.Event()
@@ -186,9 +166,7 @@ def test_readers_never_see_a_value_half_old_half_new_while_writers_replace_and_e
     reads = [0]
 
     def writer(n: int) -> None:
-        with TierClient(
-            tier.target, local_socket=tier.local_socket, timeout_s=30, data_path="local"
-        ) as c:
+        with TierClient(tier.target, local_socket=tier.local_socket, timeout_s=30, data_path="local") as c:
             version = 0
             while not stop.is_set():
                 version += 1
@@ -199,9 +177,7 @@ def test_readers_never_see_a_value_half_old_half_new_while_writers_replace_and_e
                     c.delete([key])
 
     def reader() -> None:
-        with TierClient(
-            tier.target, local_socket=tier.local_socket, timeout_s=30, data_path="local"
-        ) as c:
+        with TierClient(tier.target, local_socket=tier.local_socket, timeout_s=30, data_path="local") as c:
             while not stop.is_set():
                 values = c.get(keys, stop_at_first_miss=False)
                 for got in values:
@@ -230,17 +206,9 @@ def test_readers_never_see_a_value_half_old_half_new_while_writers_replace_and_e
 def test_a_leased_value_keeps_its_bytes_while_it_is_replaced_deleted_and_its_memory_wanted(
     start_tier: Callable[..., TierProcess],
 ) -> None:
-    tier = start_tier(
-        "--ram-bytes",
-        "32MiB",
-        "--disk-bytes",
-        "0",
-        "--incoming-bytes",
-        "32MiB",
-        "--max-value-bytes",
-        "8MiB",
+    tier = start_tier("--ram-bytes", "32MiB", "--disk-bytes", "0", "--incoming-bytes", "32MiB", "--max-value-bytes", "8MiB",
         local_socket=True,
-    )
+)
     old = value(4 * MIB, 1)
     with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
         c.put([(b"k", old)])
@@ -285,20 +253,14 @@ time.sleep(600)
 """
 
 
-def test_a_client_killed_mid_copy_leaks_no_lease_no_staging_and_no_memory(
-    local_tier: TierProcess,
-) -> None:
+def test_a_client_killed_mid_copy_leaks_no_lease_no_staging_and_no_memory(local_tier: TierProcess) -> None:
     new = value(8 * MIB, 1)
-    with TierClient(
-        local_tier.target, local_socket=local_tier.local_socket, data_path="local"
-    ) as c:
+    with TierClient(local_tier.target, local_socket=local_tier.local_socket, data_path="local") as c:
         c.put([(b"k", value(8 * MIB))])
         used_before = local_tier.metric("kvtier_ram_shared_used_bytes")
         incoming_before = local_tier.metric("kvtier_server_incoming_bytes")  # our own staging
         child = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_A_LEASE, local_tier.local_socket],
-            stdout=subprocess.PIPE,
-            text=True,
+            [sys.executable, "-c", _HOLD_A_LEASE, local_tier.local_socket], stdout=subprocess.PIPE, text=True
         )
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == "leased"
@@ -312,9 +274,7 @@ def test_a_client_killed_mid_copy_leaks_no_lease_no_staging_and_no_memory(
         assert wait_for(lambda: local_tier.metric("kvtier_local_connections") == 1)  # only ours
         assert local_tier.metric("kvtier_local_leased_bytes") == 0
         assert local_tier.metric("kvtier_server_incoming_bytes") == incoming_before
-        assert (
-            local_tier.metric("kvtier_ram_shared_used_bytes") == used_before
-        )  # the old extent is free
+        assert local_tier.metric("kvtier_ram_shared_used_bytes") == used_before  # the old extent is free
         assert as_bytes(c.get([b"k"])) == [new]
 
 
@@ -350,9 +310,7 @@ def test_a_client_cannot_write_resize_or_punch_the_tier_segments_even_through_pr
     assert as_bytes(client.get([b"k"])) == [data]
 
 
-def test_a_client_that_shrinks_its_staging_segment_cannot_crash_the_tier(
-    local_tier: TierProcess, client: TierClient
-) -> None:
+def test_a_client_that_shrinks_its_staging_segment_cannot_crash_the_tier(local_tier: TierProcess, client: TierClient) -> None:
     with RawLocal(local_tier.local_socket, "") as raw:
         reply, fd = raw.stage(4 * MIB)
         assert reply.status == Status.OK and fd is not None
@@ -390,24 +348,16 @@ def test_a_put_whose_staged_bytes_do_not_match_its_checksum_stores_nothing_of_it
         _, fd = raw.stage(2 * MIB)
         assert fd is not None
         staging = mmap.mmap(fd, 2 * MIB)
-        staging[:MIB] = good
-        staging[MIB:] = bad
-        reply = raw.put(
-            [(b"good", 0, MIB, lw.checksum(good)), (b"bad", MIB, MIB, lw.checksum(good))]
-        )
+        staging[: MIB] = good
+        staging[MIB :] = bad
+        reply = raw.put([(b"good", 0, MIB, lw.checksum(good)), (b"bad", MIB, MIB, lw.checksum(good))])
         assert reply.status == Status.INVALID_ARGUMENT and reply.count == 1
         assert "LocalPut.values[1].checksum" in reply.text
         reply = raw.put([(b"outside", MIB, 2 * MIB, 0)])
-        assert (
-            reply.status == Status.INVALID_ARGUMENT and "outside the staging segment" in reply.text
-        )
+        assert reply.status == Status.INVALID_ARGUMENT and "outside the staging segment" in reply.text
         staging.close()
         os.close(fd)
-    assert as_bytes(client.get([b"good", b"bad", b"outside"], stop_at_first_miss=False)) == [
-        good,
-        None,
-        None,
-    ]
+    assert as_bytes(client.get([b"good", b"bad", b"outside"], stop_at_first_miss=False)) == [good, None, None]
 
 
 @pytest.mark.parametrize("where", ["ram", "disk"])
@@ -438,7 +388,6 @@ def test_staged_bytes_changed_while_the_tier_stores_them_are_refused_never_store
                 while not stop.is_set():  # bytes across the value change and change back
                     for pos in range(0, size, 1 << 20):
                         staging[pos] ^= 0xFF
-
             flipper = threading.Thread(target=flip) if attempt else None  # the first: untouched
             if flipper is not None:
                 flipper.start()
@@ -455,9 +404,7 @@ def test_staged_bytes_changed_while_the_tier_stores_them_are_refused_never_store
     with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
         got = as_bytes(c.get([b"v%d" % i for i in range(6)], stop_at_first_miss=False))
     assert got == [staged if ok else None for ok in outcomes]
-    assert outcomes[0] and not all(outcomes[1:]), (
-        outcomes
-    )  # the untouched one stored; flips refused
+    assert outcomes[0] and not all(outcomes[1:]), outcomes  # the untouched one stored; flips refused
     if where == "disk":
         assert tier.metric("kvtier_tier_entries", tier="ram") == 0
         assert len(record_files(tier)) == sum(outcomes)
@@ -467,30 +414,19 @@ def test_staged_bytes_changed_while_the_tier_stores_them_are_refused_never_store
 
 
 def test_limits_are_refused_naming_the_field(client: TierClient) -> None:
-    with pytest.raises(
-        TierRejected, match=r"RESOURCE_EXHAUSTED: LocalGet.count: 65 keys .* \(--max-keys\)"
-    ):
+    with pytest.raises(TierRejected, match=r"RESOURCE_EXHAUSTED: LocalGet.count: 65 keys .* \(--max-keys\)"):
         client.get([b"k%d" % i for i in range(65)])
-    with pytest.raises(
-        TierRejected,
-        match=r"RESOURCE_EXHAUSTED: LocalPut.values\[1\].length: .* \(--max-value-bytes\)",
-    ):
+    with pytest.raises(TierRejected, match=r"RESOURCE_EXHAUSTED: LocalPut.values\[1\].length: .* \(--max-value-bytes\)"):
         client.put([(b"small", b"s"), (b"huge", bytes((80 << 20) + 1))])
-    with pytest.raises(
-        TierRejected, match=r"INVALID_ARGUMENT: LocalPut.keys\[0\]: key of 257 bytes"
-    ):
+    with pytest.raises(TierRejected, match=r"INVALID_ARGUMENT: LocalPut.keys\[0\]: key of 257 bytes"):
         client.put([(b"k" * 257, b"v")])
-    with pytest.raises(
-        TierRejected, match=r"INVALID_ARGUMENT: LocalLookup.keys\[1\]: key of 0 bytes"
-    ):
+    with pytest.raises(TierRejected, match=r"INVALID_ARGUMENT: LocalLookup.keys\[1\]: key of 0 bytes"):
         client.lookup([b"a", b""])
     assert client.put([(b"after", b"ok")]) == 1
     assert client.get([b"huge"]) == [None]
 
 
-def test_garbage_gets_an_error_reply_and_the_tier_keeps_serving(
-    local_tier: TierProcess, client: TierClient
-) -> None:
+def test_garbage_gets_an_error_reply_and_the_tier_keeps_serving(local_tier: TierProcess, client: TierClient) -> None:
     with RawLocal(local_tier.local_socket) as raw:
         raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         reply = raw.reply()
@@ -503,22 +439,14 @@ def test_garbage_gets_an_error_reply_and_the_tier_keeps_serving(
     with RawLocal(local_tier.local_socket) as raw:
         raw.request(Op.GET, b"\x02\x00ab", count=3)
         reply = raw.reply()
-        assert (
-            reply.status == Status.INVALID_ARGUMENT
-            and "LocalGet.table: ends inside key 1 of 3" in reply.text
-        )
+        assert reply.status == Status.INVALID_ARGUMENT and "LocalGet.table: ends inside key 1 of 3" in reply.text
         raw.request(Op.STAGE, b"\x00" * 8)
         assert raw.reply().status == Status.INVALID_ARGUMENT
         raw.request(Op.LOOKUP, lw.key_table([b"still"]), count=1)
         assert raw.reply().status == Status.OK  # the connection stayed usable
     client.put([(b"still", b"up")])
     assert as_bytes(client.get([b"still"])) == [b"up"]
-    assert (
-        local_tier.metric(
-            "kvtier_server_requests_total", op="LocalInvalid", code="INVALID_ARGUMENT"
-        )
-        == 2
-    )
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalInvalid", code="INVALID_ARGUMENT") == 2
 
 
 def test_tenants_are_isolated_and_a_missing_or_unknown_token_is_unauthenticated(
@@ -551,9 +479,7 @@ def test_a_token_revoked_while_connected_stops_working_at_once(
     start_tier: Callable[..., TierProcess], tokens_dir: Path
 ) -> None:
     tier = start_tier("--auth-tokens", str(tokens_dir), local_socket=True)
-    with TierClient(
-        tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local"
-    ) as b:
+    with TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local") as b:
         b.put([(b"k", b"v")])
         (tokens_dir / "team-b").unlink()
         assert wait_for(lambda: _refused(b), 15)
@@ -570,19 +496,15 @@ def _refused(client: TierClient) -> bool:
 # -- the socket file and the tier's lifetime -----------------------------------------------------
 
 
-def test_a_tier_restarted_under_a_client_is_used_again_through_its_new_socket(
-    local_tier: TierProcess,
-) -> None:
+def test_a_tier_restarted_under_a_client_is_used_again_through_its_new_socket(local_tier: TierProcess) -> None:
     data = value(2 * MIB)
     with TierClient(local_tier.target, local_socket=local_tier.local_socket, timeout_s=10) as c:
         c.put([(b"k", data)])
         # On disk: indexed, and its write-behind put (which returns once the file is in
         # place) done; the index counts a key from the start of its write.
         assert wait_for(
-            lambda: (
-                local_tier.metric("kvtier_tier_entries", tier="disk") == 1
-                and local_tier.metric("kvtier_write_behind_queue_depth") == 0
-            )
+            lambda: local_tier.metric("kvtier_tier_entries", tier="disk") == 1
+            and local_tier.metric("kvtier_write_behind_queue_depth") == 0
         )
         local_tier.restart()  # SIGKILL: the old socket file stays behind, the new tier replaces it
         got: list[bytes | None] = []
@@ -641,22 +563,16 @@ def test_a_value_held_only_on_disk_comes_back_from_its_record_file(disk_tier: Ti
     items = [(b"d%d" % n, value(n, i)) for i, n in enumerate(sizes)]
     with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
         assert c.put(items) == len(items)
-        assert as_bytes(c.get([k for k, _ in items] + [b"absent"])) == [v for _, v in items] + [
-            None
-        ]
+        assert as_bytes(c.get([k for k, _ in items] + [b"absent"])) == [v for _, v in items] + [None]
     assert len(record_files(disk_tier)) == len(items)
     assert disk_tier.metric("kvtier_tier_hits_total", tier="disk") == len(items)
     with RawLocal(disk_tier.local_socket, "") as raw:
         reply, entries = raw.get([k for k, _ in items], flags=lw.FLAG_FILES)
-        assert (
-            reply.status == Status.OK and reply.extra == 0
-        )  # no segment: the files rode on the entries
+        assert reply.status == Status.OK and reply.extra == 0  # no segment: the files rode on the entries
         assert [e.place for e in entries] == [Place.FILE] * len(items)
         for e, (key, data) in zip(entries, items, strict=True):
             assert e.length == len(data) and raw.read(e) == data
-            stored_key = os.pread(
-                e.fd, e.segment, e.offset
-            )  # the record's key: the tenant's namespaced key
+            stored_key = os.pread(e.fd, e.segment, e.offset)  # the record's key: the tenant's namespaced key
             assert stored_key.endswith(key) and e.checksum == lw.checksum(stored_key + data)
             assert stat.S_IMODE(os.fstat(e.fd).st_mode) == 0o400  # read-only to its owner too
             with pytest.raises(OSError):
@@ -666,22 +582,16 @@ def test_a_value_held_only_on_disk_comes_back_from_its_record_file(disk_tier: Ti
         assert [e.place for e in entries] == [Place.INLINE] and entries[0].inline == items[1][1]
 
 
-def test_one_get_of_more_record_files_than_one_message_carries_gets_every_one(
-    disk_tier: TierProcess,
-) -> None:
+def test_one_get_of_more_record_files_than_one_message_carries_gets_every_one(disk_tier: TierProcess) -> None:
     items = [(b"many%d" % i, value(100 + i, i)) for i in range(lw.MAX_FDS + 60)]
     with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
         assert c.put(items) == len(items)
         assert as_bytes(c.get([k for k, _ in items])) == [v for _, v in items]
-        assert as_bytes(c.get([k for k, _ in items])) == [
-            v for _, v in items
-        ]  # no descriptor left over
+        assert as_bytes(c.get([k for k, _ in items])) == [v for _, v in items]  # no descriptor left over
     assert len(os.listdir(f"/proc/{disk_tier.proc.pid}/fd")) < 100  # the tier closed what it sent
 
 
-def test_a_record_file_replaced_or_deleted_after_the_reply_still_reads_whole(
-    disk_tier: TierProcess,
-) -> None:
+def test_a_record_file_replaced_or_deleted_after_the_reply_still_reads_whole(disk_tier: TierProcess) -> None:
     old, new = value(3 * MIB, 1), value(3 * MIB, 2)
     with TierClient(disk_tier.target, local_socket=disk_tier.local_socket, data_path="local") as c:
         c.put([(b"r", old), (b"gone", old)])
@@ -691,16 +601,11 @@ def test_a_record_file_replaced_or_deleted_after_the_reply_still_reads_whole(
             assert c.delete([b"gone"]) == 1
             for e in (e_r, e_gone):
                 assert raw.read(e) == old
-                assert (
-                    lw.read_checked(e.fd, e.offset, memoryview(bytearray(e.length)), e.segment)
-                    == e.checksum
-                )
+                assert lw.read_checked(e.fd, e.offset, memoryview(bytearray(e.length)), e.segment) == e.checksum
         assert as_bytes(c.get([b"r", b"gone"])) == [new, None]
 
 
-def test_one_reply_hands_over_segments_and_record_files_together(
-    start_tier: Callable[..., TierProcess],
-) -> None:
+def test_one_reply_hands_over_segments_and_record_files_together(start_tier: Callable[..., TierProcess]) -> None:
     tier = start_tier("--ram-bytes", "3MiB", "--write-policy", "write-through", local_socket=True)
     in_ram, on_disk = value(MIB, 1), value(5 * MIB, 2)  # the second fits no RAM tier of 3 MiB
     with TierClient(tier.target, local_socket=tier.local_socket, data_path="local") as c:
@@ -728,9 +633,7 @@ def test_a_reply_hands_over_at_most_max_fds_record_files(disk_tier: TierProcess)
     assert disk_tier.metric("kvtier_tier_errors_total", tier="disk", op="get") == 0
 
 
-def test_no_record_files_while_the_client_has_not_read_what_it_was_sent(
-    disk_tier: TierProcess,
-) -> None:
+def test_no_record_files_while_the_client_has_not_read_what_it_was_sent(disk_tier: TierProcess) -> None:
     """Descriptors sent but not received count against the tier's own limit: a client that
     sends GETs without reading the replies gets one reply's files, then values inline."""
     data = value(200_000, 4)
@@ -739,9 +642,7 @@ def test_no_record_files_while_the_client_has_not_read_what_it_was_sent(
     with RawLocal(disk_tier.local_socket, "") as raw:
         for _ in range(2):
             raw.request(Op.GET, lw.key_table([b"k"]), 1, lw.FLAG_FILES)
-        assert wait_for(
-            lambda: disk_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 2
-        )
+        assert wait_for(lambda: disk_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 2)
         first, second = (raw.read_get_reply() for _ in range(2))
         assert [e.place for e in first[1]] == [Place.FILE]
         assert [e.place for e in second[1]] == [Place.INLINE] and second[1][0].inline == data
@@ -766,43 +667,28 @@ def test_a_corrupt_record_file_is_a_miss_and_deleted_and_its_bytes_never_returne
                     f.write(bytes([byte[0] ^ 0x40]))
                 else:  # found by the tier's check of the header against the file's size
                     f.truncate(path.stat().st_size - 10)
-        assert as_bytes(c.get([b"good", b"bad1", b"good"], stop_at_first_miss=False)) == [
-            good,
-            None,
-            good,
-        ]
-        assert as_bytes(c.get([b"good", b"bad2", b"good"])) == [
-            good,
-            None,
-        ]  # stops at the first miss
+        assert as_bytes(c.get([b"good", b"bad1", b"good"], stop_at_first_miss=False)) == [good, None, good]
+        assert as_bytes(c.get([b"good", b"bad2", b"good"])) == [good, None]  # stops at the first miss
         assert record_files(disk_tier) == [p for p in before if p.exists()]  # both deleted
         assert c.lookup([b"bad1"]) == 0 and c.lookup([b"bad2"]) == 0
         assert as_bytes(c.get([b"good"])) == [good]
     failures = disk_tier.metric("kvtier_tier_verification_failures_total", tier="disk")
     deletes = disk_tier.metric("kvtier_server_requests_total", op="LocalDelete", code="OK")
-    if (
-        damage == "a flipped value byte"
-    ):  # the tier never read the value: the client found it, deleted it
+    if damage == "a flipped value byte":  # the tier never read the value: the client found it, deleted it
         assert (failures, deletes) == (0, 2)
     else:  # the tier's check of the header against the file's size found it
         assert (failures, deletes) == (2, 0)
 
 
-def test_record_files_are_a_tenants_own(
-    start_tier: Callable[..., TierProcess], tokens_dir: Path
-) -> None:
+def test_record_files_are_a_tenants_own(start_tier: Callable[..., TierProcess], tokens_dir: Path) -> None:
     tier = start_tier(
         "--ram-bytes", "1", "--write-policy", "write-through", "--auth-tokens", str(tokens_dir),
         local_socket=True, data_port=True,
     )  # fmt: skip
     secret = value(MIB, 7)
     with (
-        TierClient(
-            tier.target, local_socket=tier.local_socket, token=TOKEN_A, data_path="local"
-        ) as a,
-        TierClient(
-            tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local"
-        ) as b,
+        TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_A, data_path="local") as a,
+        TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local") as b,
     ):
         a.put([(b"k", secret)])
         assert as_bytes(b.get([b"k"])) == [None]

@@ -112,9 +112,7 @@ class StalledPut:
             self.sent.set()
             self.release.wait(60)
 
-        put = channel.stream_unary(
-            f"/{SERVICE_NAME}/Put", wire.identity, cache_pb2.PutResponse.FromString
-        )
+        put = channel.stream_unary(f"/{SERVICE_NAME}/Put", wire.identity, cache_pb2.PutResponse.FromString)
         self.future = put.future(frames(), timeout=60)
 
     def code(self, timeout_s: float) -> grpc.StatusCode | None:
@@ -131,9 +129,7 @@ class StalledPut:
 def test_stalled_grpc_puts_of_large_values_hold_at_most_the_incoming_budget(
     start_tier: Callable[..., TierProcess],
 ) -> None:
-    tier = start_tier(
-        "--incoming-bytes", "128MiB", "--max-value-bytes", "60MiB", "--disk-bytes", "0"
-    )
+    tier = start_tier("--incoming-bytes", "128MiB", "--max-value-bytes", "60MiB", "--disk-bytes", "0")
     base = rss(tier)
     with grpc.insecure_channel(tier.target) as channel:
         puts = [StalledPut(channel, b"big%d" % i, 60 * MIB) for i in range(6)]
@@ -158,9 +154,7 @@ def test_stalled_grpc_puts_of_large_values_hold_at_most_the_incoming_budget(
 def test_a_stalled_grpc_put_stream_is_cut_after_the_data_timeout_and_frees_its_budget(
     start_tier: Callable[..., TierProcess],
 ) -> None:
-    tier = start_tier(
-        "--data-timeout", "1s", "--incoming-bytes", "64MiB", "--max-value-bytes", "60MiB"
-    )
+    tier = start_tier("--data-timeout", "1s", "--incoming-bytes", "64MiB", "--max-value-bytes", "60MiB")
     with grpc.insecure_channel(tier.target) as channel:
         stalled = StalledPut(channel, b"stalled", 60 * MIB)
         try:
@@ -178,13 +172,7 @@ def test_stalled_data_port_puts_hold_at_most_the_incoming_budget(
     start_tier: Callable[..., TierProcess],
 ) -> None:
     tier = start_tier(
-        "--incoming-bytes",
-        "128MiB",
-        "--max-value-bytes",
-        "60MiB",
-        "--disk-bytes",
-        "0",
-        data_port=True,
+        "--incoming-bytes", "128MiB", "--max-value-bytes", "60MiB", "--disk-bytes", "0", data_port=True
     )
     base = rss(tier)
     socks, statuses = [], []

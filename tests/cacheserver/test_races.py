@@ -109,9 +109,7 @@ def test_gets_during_disk_writes_never_drop_a_key_from_the_disk_index(
 # -- item 7: Stats per tenant -----------------------------------------------------------------
 
 
-def test_stats_counts_only_the_callers_tenant(
-    start_tier: Callable[..., TierProcess], tmp_path: Path
-) -> None:
+def test_stats_counts_only_the_callers_tenant(start_tier: Callable[..., TierProcess], tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     (tokens / "team-a").write_text(TOKEN_A)

@@ -56,9 +56,7 @@ def test_an_overwritten_values_buffer_receives_the_next_put_and_serves_only_its_
     assert [bytes(v) for v in client.get([b"k1", b"k2"]) if v is not None] == [b, c]
 
 
-def test_deleted_values_buffers_are_recycled_too(
-    ram_tier: tuple[TierProcess, int], client: TierClient
-) -> None:
+def test_deleted_values_buffers_are_recycled_too(ram_tier: tuple[TierProcess, int], client: TierClient) -> None:
     tier, _ = ram_tier
     client.put([(b"k%d" % i, value(3 * MIB, i)) for i in range(3)])
     assert client.delete([b"k0", b"k1"]) == 2
@@ -112,12 +110,8 @@ def test_a_value_still_being_sent_is_not_recycled_when_it_is_overwritten(
     assert [bytes(v) for v in client.get([b"k"]) if v is not None] == [value(size, 2)]
 
 
-def test_values_and_recycled_buffers_stay_within_the_ram_budget(
-    start_tier: Callable[..., TierProcess],
-) -> None:
-    tier, _ = start_data_tier(
-        start_tier, "--disk-bytes", "0", "--ram-bytes", "16MiB"
-    )  # pool: 4MiB at most
+def test_values_and_recycled_buffers_stay_within_the_ram_budget(start_tier: Callable[..., TierProcess]) -> None:
+    tier, _ = start_data_tier(start_tier, "--disk-bytes", "0", "--ram-bytes", "16MiB")  # pool: 4MiB at most
     written: dict[bytes, bytes] = {}
     with TierClient(tier.target, timeout_s=30, data_path="data") as c:
         for i in range(40):
@@ -136,9 +130,7 @@ def test_values_and_recycled_buffers_stay_within_the_ram_budget(
             assert got is None or bytes(got) == written[key]  # evicted, or exactly the last value
 
 
-def test_multi_frame_grpc_puts_receive_into_recycled_buffers(
-    ram_tier: tuple[TierProcess, int],
-) -> None:
+def test_multi_frame_grpc_puts_receive_into_recycled_buffers(ram_tier: tuple[TierProcess, int]) -> None:
     tier, _ = ram_tier
     a, b = value(6 * MIB, 1), value(6 * MIB, 2)  # larger than a 4 MiB frame: reassembled
     with TierClient(tier.target, timeout_s=30, data_path="grpc") as c:
@@ -215,12 +207,8 @@ async def test_tenant_quotas_never_evict_another_tenant_to_keep_buffers() -> Non
     b = [scoped("b", b"k%d" % i) for i in range(2)]
     for key in a + b:
         await ram.put(key, received(os.urandom(2 * MIB)))
-    await ram.put(
-        scoped("b", b"k0"), received(os.urandom(2 * MIB))
-    )  # overwrite: b's old buffer is dropped
-    await ram.put(
-        scoped("b", b"k2"), received(os.urandom(2 * MIB))
-    )  # full: b makes room from its own
+    await ram.put(scoped("b", b"k0"), received(os.urandom(2 * MIB)))  # overwrite: b's old buffer is dropped
+    await ram.put(scoped("b", b"k2"), received(os.urandom(2 * MIB)))  # full: b makes room from its own
     assert await ram.contains(a) == [True, True]
     assert ram.lru.used + ram.pool.bytes <= 8 * MIB
 

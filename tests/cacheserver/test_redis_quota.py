@@ -40,9 +40,7 @@ async def present(t: RedisTier, tenant: str, n: int) -> list[int]:
     return [i for i, hit in enumerate(found) if hit]
 
 
-async def test_a_tenant_over_its_quota_loses_its_own_least_recently_used_values(
-    tier: RedisTier,
-) -> None:
+async def test_a_tenant_over_its_quota_loses_its_own_least_recently_used_values(tier: RedisTier) -> None:
     for i in range(6):
         assert await tier.put(key("a", i), VALUE)
     assert await present(tier, "a", 6) == [3, 4, 5]
@@ -86,9 +84,7 @@ async def test_a_value_larger_than_the_quota_is_not_stored(tier: RedisTier) -> N
     assert await tier.get(key("a", 0)) is None
 
 
-async def test_the_ledger_is_shared_by_tiers_on_one_redis(
-    tier: RedisTier, redis_server: RedisServer
-) -> None:
+async def test_the_ledger_is_shared_by_tiers_on_one_redis(tier: RedisTier, redis_server: RedisServer) -> None:
     other = RedisTier(redis_server.url, tenant_quota_bytes=QUOTA)
     try:
         await tier.put(key("a", 0), VALUE)
@@ -108,11 +104,7 @@ async def test_without_a_quota_nothing_is_charged(redis_server: RedisServer) -> 
         for i in range(6):
             await t.put(key("a", i), VALUE)
         assert await present(t, "a", 6) == list(range(6))
-        assert [
-            k
-            for k in redis_server.cli("KEYS", "*").split()
-            if not k.startswith(KEY_PREFIX.decode())
-        ] == []
+        assert [k for k in redis_server.cli("KEYS", "*").split() if not k.startswith(KEY_PREFIX.decode())] == []
     finally:
         await t.close()
 

@@ -43,21 +43,13 @@ def _code(exc: pytest.ExceptionInfo[Exception]) -> grpc.StatusCode:
 
 
 def test_a_call_without_a_token_is_unauthenticated(secured: TierProcess) -> None:
-    with (
-        TierClient(secured.target) as c,
-        pytest.raises(TierRejected, match="missing 'authorization") as exc,
-    ):
+    with TierClient(secured.target) as c, pytest.raises(TierRejected, match="missing 'authorization") as exc:
         c.lookup([b"k"])
     assert _code(exc) == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_a_call_with_an_unknown_token_is_unauthenticated_and_stores_nothing(
-    secured: TierProcess,
-) -> None:
-    with (
-        TierClient(secured.target, token="x" * 40) as c,
-        pytest.raises(TierRejected, match="unknown token") as exc,
-    ):
+def test_a_call_with_an_unknown_token_is_unauthenticated_and_stores_nothing(secured: TierProcess) -> None:
+    with TierClient(secured.target, token="x" * 40) as c, pytest.raises(TierRejected, match="unknown token") as exc:
         c.put([(b"k", b"v")])
     assert _code(exc) == grpc.StatusCode.UNAUTHENTICATED
     with TierClient(secured.target, token=TOKEN_A) as a:
@@ -66,10 +58,7 @@ def test_a_call_with_an_unknown_token_is_unauthenticated_and_stores_nothing(
 
 def test_the_same_tenant_hits_and_another_tenant_misses_the_same_key(secured: TierProcess) -> None:
     data = os.urandom(5000)
-    with (
-        TierClient(secured.target, token=TOKEN_A) as a,
-        TierClient(secured.target, token=TOKEN_B) as b,
-    ):
+    with TierClient(secured.target, token=TOKEN_A) as a, TierClient(secured.target, token=TOKEN_B) as b:
         a.put([(b"prompt-prefix", data)])
         assert a.lookup([b"prompt-prefix"]) == 1  # caching works for the owner...
         (got,) = a.get([b"prompt-prefix"])
@@ -82,14 +71,9 @@ def test_the_same_tenant_hits_and_another_tenant_misses_the_same_key(secured: Ti
 
 
 def test_a_foreign_key_answers_exactly_as_a_key_nobody_wrote(secured: TierProcess) -> None:
-    with (
-        TierClient(secured.target, token=TOKEN_A) as a,
-        TierClient(secured.target, token=TOKEN_B) as b,
-    ):
+    with TierClient(secured.target, token=TOKEN_A) as a, TierClient(secured.target, token=TOKEN_B) as b:
         a.put([(b"secret", b"v")])
-        assert b.get([b"secret"], stop_at_first_miss=False) == b.get(
-            [b"never"], stop_at_first_miss=False
-        )
+        assert b.get([b"secret"], stop_at_first_miss=False) == b.get([b"never"], stop_at_first_miss=False)
         assert b.lookup([b"secret"]) == b.lookup([b"never"]) == 0
 
 
@@ -99,14 +83,8 @@ def test_forged_tenant_metadata_is_ignored(secured: TierProcess) -> None:
     with grpc.insecure_channel(secured.target) as ch:
         lookup = ch.unary_unary(f"/{SERVICE_NAME}/Lookup", request_serializer=cache_pb2.LookupRequest.SerializeToString,
                                 response_deserializer=cache_pb2.LookupResponse.FromString)  # fmt: skip
-        md = (
-            ("authorization", f"Bearer {TOKEN_B}"),
-            ("x-kvtier-tenant", "team-a"),
-            ("tenant", "team-a"),
-        )
-        assert (
-            lookup(cache_pb2.LookupRequest(keys=[b"k"]), metadata=md, timeout=5).prefix_length == 0
-        )
+        md = (("authorization", f"Bearer {TOKEN_B}"), ("x-kvtier-tenant", "team-a"), ("tenant", "team-a"))
+        assert lookup(cache_pb2.LookupRequest(keys=[b"k"]), metadata=md, timeout=5).prefix_length == 0
 
 
 def test_health_stays_open_without_a_token(secured: TierProcess) -> None:
@@ -117,9 +95,7 @@ def test_health_stays_open_without_a_token(secured: TierProcess) -> None:
     assert health_status(secured.target) == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_rotated_token_file_takes_effect_without_a_restart(
-    secured: TierProcess, tokens_dir: Path
-) -> None:
+def test_a_rotated_token_file_takes_effect_without_a_restart(secured: TierProcess, tokens_dir: Path) -> None:
     new = "n" * 30
     (tokens_dir / "team-a").write_text(new)
 
@@ -137,9 +113,7 @@ def test_a_rotated_token_file_takes_effect_without_a_restart(
         old.lookup([b"k"])
 
 
-def test_a_short_token_stops_the_server_with_a_message(
-    start_tier: Callable[..., TierProcess], tmp_path: Path
-) -> None:
+def test_a_short_token_stops_the_server_with_a_message(start_tier: Callable[..., TierProcess], tmp_path: Path) -> None:
     f = tmp_path / "tokens.txt"
     f.write_text("# tenant token\nteam-a short\n")
     with pytest.raises(RuntimeError, match="shorter than 16 characters"):
@@ -150,14 +124,7 @@ def test_one_tenants_load_never_evicts_another_tenants_entries_within_quotas(
     start_tier: Callable[..., TierProcess], tokens_dir: Path
 ) -> None:
     tier = start_tier(
-        "--auth-tokens",
-        str(tokens_dir),
-        "--ram-bytes",
-        "2MiB",
-        "--tenant-quota-bytes",
-        "1MiB",
-        "--disk-bytes",
-        "0",
+        "--auth-tokens", str(tokens_dir), "--ram-bytes", "2MiB", "--tenant-quota-bytes", "1MiB", "--disk-bytes", "0"
     )
     with TierClient(tier.target, token=TOKEN_A) as a, TierClient(tier.target, token=TOKEN_B) as b:
         b.put([(b"b%d" % i, os.urandom(100_000)) for i in range(5)])
@@ -180,14 +147,9 @@ def test_tls_and_mutual_tls_protect_the_tier(
         (got,) = c.get([b"k"])
         assert got is not None and bytes(got) == b"over tls"
     with (
-        TierClient(
-            tier.target, token=TOKEN_A, tls_ca_file=str(tls_files.ca), timeout_s=2
-        ) as no_cert,
+        TierClient(tier.target, token=TOKEN_A, tls_ca_file=str(tls_files.ca), timeout_s=2) as no_cert,
         pytest.raises(TierUnavailable),
     ):
         no_cert.lookup([b"k"])
-    with (
-        TierClient(tier.target, token=TOKEN_A, timeout_s=2) as plaintext,
-        pytest.raises(TierUnavailable),
-    ):
+    with TierClient(tier.target, token=TOKEN_A, timeout_s=2) as plaintext, pytest.raises(TierUnavailable):
         plaintext.lookup([b"k"])

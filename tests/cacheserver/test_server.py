@@ -43,9 +43,7 @@ def _disk_file(tier: TierProcess) -> Path:
         time.sleep(0.05)
 
 
-def test_values_round_trip_with_lookup_counting_the_leading_present_keys(
-    client: TierClient,
-) -> None:
+def test_values_round_trip_with_lookup_counting_the_leading_present_keys(client: TierClient) -> None:
     a, b = value(1000), value(3000, 1)
     assert client.put([(b"k1", a), (b"k2", b)]) == 2
     assert client.lookup([b"k1", b"k2", b"k3", b"k1"]) == 2
@@ -79,9 +77,7 @@ def test_values_survive_a_restart_of_the_server_process(tier: TierProcess) -> No
     assert got is not None and bytes(got) == data
 
 
-def test_a_corrupted_file_on_disk_is_never_served_and_is_counted(
-    start_tier: Callable[..., TierProcess],
-) -> None:
+def test_a_corrupted_file_on_disk_is_never_served_and_is_counted(start_tier: Callable[..., TierProcess]) -> None:
     tier = start_tier()
     data = value(50_000)
     with TierClient(tier.target) as c:
@@ -99,9 +95,7 @@ def test_a_corrupted_file_on_disk_is_never_served_and_is_counted(
     assert not path.exists()
 
 
-def test_a_truncated_file_on_disk_is_dropped_at_start_up(
-    start_tier: Callable[..., TierProcess],
-) -> None:
+def test_a_truncated_file_on_disk_is_dropped_at_start_up(start_tier: Callable[..., TierProcess]) -> None:
     tier = start_tier()
     with TierClient(tier.target) as c:
         c.put([(b"cut", value(50_000))])
@@ -206,9 +200,7 @@ def _raw_put(target: str, frames: list[bytes]) -> grpc.RpcError | cache_pb2.PutR
             return exc
 
 
-def test_a_put_stream_ending_inside_a_value_stores_nothing_of_it(
-    tier: TierProcess, client: TierClient
-) -> None:
+def test_a_put_stream_ending_inside_a_value_stores_nothing_of_it(tier: TierProcess, client: TierClient) -> None:
     frames = [
         wire.encode_put_frame(b"whole", 3, 0, b"abc"),
         wire.encode_put_frame(b"half", 10, 0, b"01234"),
@@ -243,19 +235,14 @@ def test_a_put_stream_cancelled_by_the_client_mid_value_stores_nothing_of_it(
 
 
 def test_out_of_order_frames_are_an_invalid_argument(tier: TierProcess, client: TierClient) -> None:
-    frames = [
-        wire.encode_put_frame(b"gap", 10, 0, b"01234"),
-        wire.encode_put_frame(b"", 0, 7, b"789"),
-    ]
+    frames = [wire.encode_put_frame(b"gap", 10, 0, b"01234"), wire.encode_put_frame(b"", 0, 7, b"789")]
     err = _raw_put(tier.target, frames)
     assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "expected 5, got 7" in str(err.details())
     assert client.lookup([b"gap"]) == 0
 
 
-def test_a_frame_with_an_unknown_field_is_an_invalid_argument(
-    tier: TierProcess, client: TierClient
-) -> None:
+def test_a_frame_with_an_unknown_field_is_an_invalid_argument(tier: TierProcess, client: TierClient) -> None:
     frame = wire.encode_put_frame(b"future", 3, 0, b"abc") + b"\x28\x01"  # field 5, varint
     err = _raw_put(tier.target, [frame])
     assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -268,9 +255,7 @@ def test_a_request_message_with_an_unknown_field_is_an_invalid_argument(tier: Ti
         lookup = ch.unary_unary(f"/{SERVICE_NAME}/Lookup", request_serializer=wire.identity,
                                 response_deserializer=cache_pb2.LookupResponse.FromString)  # fmt: skip
         with pytest.raises(grpc.RpcError) as exc:
-            lookup(
-                cache_pb2.LookupRequest(keys=[b"a"]).SerializeToString() + b"\x18\x07", timeout=5
-            )
+            lookup(cache_pb2.LookupRequest(keys=[b"a"]).SerializeToString() + b"\x18\x07", timeout=5)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert "numbers [3]" in exc.value.details()  # type: ignore[attr-defined]
 
@@ -332,10 +317,7 @@ def test_a_bad_flag_value_stops_the_server_with_a_message_naming_the_flag() -> N
 def test_a_bad_env_var_stops_the_server_with_a_message_naming_the_env_var() -> None:
     r = _server_cli(env={"KVTIER_WRITE_POLICY": "sometimes"})
     assert r.returncode == 2
-    assert (
-        "KVTIER_WRITE_POLICY='sometimes' is invalid: expected write-behind or write-through"
-        in r.stderr
-    )
+    assert "KVTIER_WRITE_POLICY='sometimes' is invalid: expected write-behind or write-through" in r.stderr
 
 
 def test_the_help_names_every_flag_with_its_env_var() -> None:
@@ -346,18 +328,14 @@ def test_the_help_names_every_flag_with_its_env_var() -> None:
         assert f"--{flag.name} " in text and f"env {flag.env};" in text
 
 
-def test_env_vars_configure_the_server(
-    start_tier: Callable[..., TierProcess], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_env_vars_configure_the_server(start_tier: Callable[..., TierProcess], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_MAX_KEYS", "3")
     tier = start_tier()
     with TierClient(tier.target) as c, pytest.raises(TierRejected, match="at most 3"):
         c.lookup([b"a", b"b", b"c", b"d"])
 
 
-def test_sigterm_turns_health_not_serving_lets_calls_finish_and_exits_zero(
-    tier: TierProcess,
-) -> None:
+def test_sigterm_turns_health_not_serving_lets_calls_finish_and_exits_zero(tier: TierProcess) -> None:
     from grpc_health.v1 import health_pb2_grpc
 
     big = value(16 << 20)  # four 4 MiB frames
@@ -365,9 +343,7 @@ def test_sigterm_turns_health_not_serving_lets_calls_finish_and_exits_zero(
         c.put([(b"k", big)])
     assert tier.proc is not None
     with grpc.insecure_channel(tier.target) as ch:
-        watch = health_pb2_grpc.HealthStub(ch).Watch(
-            health_pb2.HealthCheckRequest(service=""), timeout=20
-        )
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=20)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         get = ch.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=cache_pb2.GetRequest.SerializeToString,
                               response_deserializer=wire.decode_get_frame)  # fmt: skip
@@ -386,14 +362,10 @@ def test_health_and_reflection_are_served(tier: TierProcess) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     assert health_status(tier.target) == health_pb2.HealthCheckResponse.SERVING
-    assert (
-        health_status(tier.target, service=SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
-    )
+    assert health_status(tier.target, service=SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(tier.target) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        responses = stub.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
-        )
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert SERVICE_NAME in names
 

@@ -46,9 +46,7 @@ def test_two_tier_processes_share_values_through_redis(
 def test_a_killed_redis_costs_misses_not_failed_calls_and_the_tier_recovers(
     start_tier: Callable[..., TierProcess], redis_server: RedisServer
 ) -> None:
-    tier = start_tier(
-        "--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms"
-    )
+    tier = start_tier("--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms")
     with TierClient(tier.target, timeout_s=5) as c:
         c.put([(b"before", b"v0")])
         redis_server.kill()
@@ -57,10 +55,9 @@ def test_a_killed_redis_costs_misses_not_failed_calls_and_the_tier_recovers(
             assert c.lookup([b"before", b"during%d" % i]) == 2  # RAM still has both
             assert c.get([b"absent%d" % i]) == [None]
         assert tier.metric("kvtier_tier_healthy", tier="redis") == 0
-        assert (
-            tier.metric("kvtier_tier_errors_total", tier="redis", op="put") >= 1
-            or tier.metric("kvtier_tier_errors_total", tier="redis", op="get") >= 1
-        )
+        assert tier.metric("kvtier_tier_errors_total", tier="redis", op="put") >= 1 or tier.metric(
+            "kvtier_tier_errors_total", tier="redis", op="get"
+        ) >= 1
         redis_server.restart()
         assert _wait_for(lambda: tier.metric("kvtier_tier_healthy", tier="redis") == 1)
         c.put([(b"after", b"v1")])
@@ -73,31 +70,19 @@ def test_a_frozen_redis_never_stalls_calls_past_the_tier_timeout(
     start_tier: Callable[..., TierProcess], redis_server: RedisServer
 ) -> None:
     tier = start_tier(
-        "--redis-url",
-        redis_server.url,
-        "--disk-bytes",
-        "0",
-        "--tier-timeout",
-        "500ms",
-        "--redis-timeout",
-        "300ms",
+        "--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms", "--redis-timeout", "300ms"
     )
     with TierClient(tier.target, timeout_s=5) as c:
         c.put([(b"k", b"v")])
         redis_server.pause()
         try:
-            for i in range(
-                10
-            ):  # each call answers within its deadline (a stall would be TierUnavailable)
+            for i in range(10):  # each call answers within its deadline (a stall would be TierUnavailable)
                 c.put([(b"f%d" % i, b"v")])
                 assert c.get([b"miss%d" % i]) == [None]
             assert tier.metric("kvtier_tier_healthy", tier="redis") == 0
             # Only the calls that met Redis before it was marked failing waited for
             # it (the write-behind copy and at most one Get); the rest skipped it.
-            waited = sum(
-                tier.metric("kvtier_tier_errors_total", tier="redis", op=op)
-                for op in ("get", "put")
-            )
+            waited = sum(tier.metric("kvtier_tier_errors_total", tier="redis", op=op) for op in ("get", "put"))
             assert 1 <= waited <= 2
         finally:
             redis_server.resume()
@@ -154,9 +139,7 @@ def _load(target: str, stop: threading.Event, errors: list[BaseException], n: in
 
 def _puts(tier: TierProcess) -> float:
     """Puts answered OK, over gRPC and the data port."""
-    ok = [
-        tier.metric("kvtier_server_requests_total", op=op, code="OK") for op in ("Put", "DataPut")
-    ]
+    ok = [tier.metric("kvtier_server_requests_total", op=op, code="OK") for op in ("Put", "DataPut")]
     return sum(ok)
 
 
@@ -165,19 +148,10 @@ def test_redis_killed_or_frozen_under_concurrent_load_fails_no_call_and_the_tier
     start_tier: Callable[..., TierProcess], redis_server: RedisServer, fault: str
 ) -> None:
     tier = start_tier(
-        "--redis-url",
-        redis_server.url,
-        "--disk-bytes",
-        "0",
-        "--tier-timeout",
-        "500ms",
-        "--redis-timeout",
-        "300ms",
+        "--redis-url", redis_server.url, "--disk-bytes", "0", "--tier-timeout", "500ms", "--redis-timeout", "300ms"
     )
     stop, errors = threading.Event(), list[BaseException]()
-    threads = [
-        threading.Thread(target=_load, args=(tier.target, stop, errors, n)) for n in range(3)
-    ]
+    threads = [threading.Thread(target=_load, args=(tier.target, stop, errors, n)) for n in range(3)]
     for t in threads:
         t.start()
     try:
@@ -203,9 +177,7 @@ def test_redis_killed_or_frozen_under_concurrent_load_fails_no_call_and_the_tier
 def test_a_corrupted_value_in_redis_is_never_served_and_is_counted(
     start_tier: Callable[..., TierProcess], redis_server: RedisServer
 ) -> None:
-    tier = start_tier(
-        "--redis-url", redis_server.url, "--disk-bytes", "0", "--write-policy", "write-through"
-    )
+    tier = start_tier("--redis-url", redis_server.url, "--disk-bytes", "0", "--write-policy", "write-through")
     with TierClient(tier.target) as c:
         c.put([(b"victim", os.urandom(10_000))])
     tier.restart()  # empty RAM: the next read goes to Redis
@@ -258,7 +230,4 @@ def test_a_missing_tls_ca_file_stops_the_server_with_a_clear_message(tmp_path: P
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 2
-    assert (
-        "--redis-tls-ca-file (env KVTIER_REDIS_TLS_CA_FILE)" in r.stderr
-        and "not a readable file" in r.stderr
-    )
+    assert "--redis-tls-ca-file (env KVTIER_REDIS_TLS_CA_FILE)" in r.stderr and "not a readable file" in r.stderr

@@ -18,9 +18,7 @@ from kvtier.cacheserver.ram import RamTier
 from kvtier.cacheserver.store import StorePolicy, TieredStore
 
 
-async def make_store(
-    tmp_path: Path, **policy: object
-) -> tuple[TieredStore, RamTier, DiskTier, ServerMetrics]:
+async def make_store(tmp_path: Path, **policy: object) -> tuple[TieredStore, RamTier, DiskTier, ServerMetrics]:
     ram = RamTier(1 << 20)
     disk = DiskTier(tmp_path, 100 << 20)
     await disk.open()
@@ -112,9 +110,7 @@ async def test_write_through_puts_return_after_every_tier_holds_the_value(tmp_pa
     await store.close()
 
 
-async def test_a_value_only_the_disk_takes_is_written_from_its_source_when_written_through(
-    tmp_path: Path,
-) -> None:
+async def test_a_value_only_the_disk_takes_is_written_from_its_source_when_written_through(tmp_path: Path) -> None:
     big = os.urandom(2 << 20)  # larger than the 1 MiB RAM tier
     crc = xxhash.xxh3_64_intdigest(big)
     store, ram, disk, _ = await make_store(tmp_path / "through", write_through=True)
@@ -125,12 +121,7 @@ async def test_a_value_only_the_disk_takes_is_written_from_its_source_when_writt
     assert (await disk.contains([b"bad"])) == [False]
     # The RAM tier takes a small value: the caller copies it (None), as it does when the
     # disk is written behind (the copy waits in memory).
-    assert (
-        await store.put_checked(
-            b"small", memoryview(b"v" * 100), xxhash.xxh3_64_intdigest(b"v" * 100)
-        )
-        is None
-    )
+    assert await store.put_checked(b"small", memoryview(b"v" * 100), xxhash.xxh3_64_intdigest(b"v" * 100)) is None
     await store.close()
     behind, _, _, _ = await make_store(tmp_path / "behind")
     assert await behind.put_checked(b"big", memoryview(big), crc) is None
@@ -166,15 +157,11 @@ class GatedDisk(DiskTier):
         return await super().put(key, value)
 
 
-async def test_a_value_evicted_from_ram_while_its_disk_copy_is_being_written_is_still_found(
-    tmp_path: Path,
-) -> None:
+async def test_a_value_evicted_from_ram_while_its_disk_copy_is_being_written_is_still_found(tmp_path: Path) -> None:
     ram = RamTier(1 << 20)
     disk = GatedDisk(tmp_path, 100 << 20)
     await disk.open()
-    store = TieredStore(
-        [ram, disk], StorePolicy(probe_interval_s=0.1), ServerMetrics(CollectorRegistry())
-    )
+    store = TieredStore([ram, disk], StorePolicy(probe_interval_s=0.1), ServerMetrics(CollectorRegistry()))
     store.start()
     try:
         value = b"v" * 300_000

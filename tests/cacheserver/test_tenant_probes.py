@@ -24,9 +24,7 @@ ROUNDS = 12
 
 
 @pytest.fixture(scope="module")
-def results(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[TierProcess, probes.Results]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TierProcess, probes.Results]]:
     directory = tmp_path_factory.mktemp("probes")
     tokens = directory / "tokens"
     tokens.mkdir()
@@ -40,9 +38,7 @@ def results(
 
 
 @pytest.mark.parametrize("transport", probes.TRANSPORTS)
-def test_the_owner_hits_its_own_chunks(
-    results: tuple[TierProcess, probes.Results], transport: str
-) -> None:
+def test_the_owner_hits_its_own_chunks(results: tuple[TierProcess, probes.Results], transport: str) -> None:
     assert results[1].hits(transport, "own") == ROUNDS * probes.CHUNKS  # the probes can see a hit
 
 

@@ -627,10 +627,7 @@ def test_an_engine_pod_deleted_its_replacements_first_repeat_is_a_tier_hit(s: St
     other = chat(engine, MODEL, OTHER_TEXT, SEED)
     assert other.cached_tokens >= 256 and other.text == s.other.text
     after = _metrics(tier, story.TIER_METRICS_PORT)
-    for series, tier_name in (
-        ("kvtier_tier_hits_total", "disk"),
-        ("kvtier_tier_promotions_total", "ram"),
-    ):
+    for series, tier_name in (("kvtier_tier_hits_total", "disk"), ("kvtier_tier_promotions_total", "ram")):
         assert after.get(series, tier=tier_name) - before.get(series, tier=tier_name) >= 1, series
     answer = chat(engine, MODEL, TEXT, SEED)
     assert answer.cached_tokens >= 256 and answer.text == s.answer
@@ -726,9 +723,7 @@ def test_helm_uninstall_removes_what_the_chart_made_but_crds_and_the_tiers_claim
     # docs say, lets it go, and its engines with it (owner references).
     s.cluster.kubectl("delete", "modelrecipe", RECIPE, "-n", NS, "--wait=false")
     terminating = s.recipe()["metadata"]
-    assert (
-        terminating.get("deletionTimestamp") and "kvtier.io/finalizer" in terminating["finalizers"]
-    )
+    assert terminating.get("deletionTimestamp") and "kvtier.io/finalizer" in terminating["finalizers"]
     s.cluster.kubectl("patch", "modelrecipe", RECIPE, "-n", NS, "--type", "merge", "-p",
                       '{"metadata":{"finalizers":null}}')  # fmt: skip
     for kind in ("modelrecipe", "deployment"):

@@ -28,9 +28,7 @@ def every_call(client: TierClient) -> None:
     assert client.delete([b"k"]) == 1
 
 
-def test_auto_moves_every_call_over_the_socket_when_it_answers(
-    start_tier: Callable[..., TierProcess],
-) -> None:
+def test_auto_moves_every_call_over_the_socket_when_it_answers(start_tier: Callable[..., TierProcess]) -> None:
     tier = start_tier(local_socket=True, data_port=True)
     with TierClient(tier.target, local_socket=tier.local_socket) as client:
         every_call(client)
@@ -43,17 +41,11 @@ def test_auto_moves_every_call_over_the_socket_when_it_answers(
 
 @pytest.mark.parametrize("data_port", [True, False], ids=["data port", "gRPC only"])
 def test_auto_falls_back_to_the_data_port_then_grpc_when_the_socket_is_missing(
-    start_tier: Callable[..., TierProcess],
-    tmp_path: Path,
-    data_port: bool,
-    caplog: pytest.LogCaptureFixture,
+    start_tier: Callable[..., TierProcess], tmp_path: Path, data_port: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = start_tier(data_port=data_port)
     missing = str(tmp_path / "no-tier-here.sock")
-    with (
-        caplog.at_level(logging.WARNING, "kvtier"),
-        TierClient(tier.target, local_socket=missing) as client,
-    ):
+    with caplog.at_level(logging.WARNING, "kvtier"), TierClient(tier.target, local_socket=missing) as client:
         every_call(client)
         every_call(client)
         assert client.transport == ("data" if data_port else "grpc")
@@ -90,16 +82,12 @@ def test_a_tier_whose_socket_goes_away_is_reached_over_tcp_meanwhile(
         assert client.transport == "data"
 
 
-def test_data_path_local_requires_the_socket(
-    start_tier: Callable[..., TierProcess], tmp_path: Path
-) -> None:
+def test_data_path_local_requires_the_socket(start_tier: Callable[..., TierProcess], tmp_path: Path) -> None:
     tier = start_tier(data_port=True)
     with pytest.raises(ConfigError, match="data_path='local' needs local_socket"):
         TierClient(tier.target, data_path="local")
     with (
-        TierClient(
-            tier.target, local_socket=str(tmp_path / "none.sock"), data_path="local"
-        ) as client,
+        TierClient(tier.target, local_socket=str(tmp_path / "none.sock"), data_path="local") as client,
         pytest.raises(TierUnavailable, match=r"none\.sock"),
     ):
         client.lookup([b"k"])
@@ -116,9 +104,7 @@ def test_the_connector_config_takes_local_socket_and_hands_it_to_the_client(
     start_tier: Callable[..., TierProcess],
 ) -> None:
     tier = start_tier(local_socket=True)
-    config = ConnectorConfig.from_extra_config(
-        {"target": tier.target, "local_socket": tier.local_socket}
-    )
+    config = ConnectorConfig.from_extra_config({"target": tier.target, "local_socket": tier.local_socket})
     link = connect(config, KV)
     try:
         link.warm_up(config, "requests recompute")

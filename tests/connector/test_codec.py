@@ -211,9 +211,7 @@ KV_SHAPE = (2, 2048)
 
 
 def zstd_blob() -> bytearray:
-    return bytearray(
-        encode_chunk_bytes(KEY, KV_LIKE, dtype="bfloat16", shape=KV_SHAPE, codec="zstd")
-    )
+    return bytearray(encode_chunk_bytes(KEY, KV_LIKE, dtype="bfloat16", shape=KV_SHAPE, codec="zstd"))
 
 
 def test_a_zstd_chunk_decodes_to_the_raw_payload_and_is_smaller() -> None:

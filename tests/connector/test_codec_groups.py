@@ -70,7 +70,9 @@ def test_a_version_2_header_without_its_group_fields_is_a_layout_error() -> None
 
 
 def test_a_group_length_past_the_header_is_a_layout_error() -> None:
-    blob = bytearray(encode_chunk_bytes(KEY, PAYLOAD, dtype="bfloat16", shape=SHAPE, group=GROUP))
+    blob = bytearray(
+        encode_chunk_bytes(KEY, PAYLOAD, dtype="bfloat16", shape=SHAPE, group=GROUP)
+    )
     blob[blob.index(GROUP.encode()) - 1] = 200
     with pytest.raises(ChunkDecodeError) as caught:
         decode_chunk(KEY, reseal(blob))

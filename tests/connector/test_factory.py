@@ -78,21 +78,13 @@ def test_a_tier_not_reachable_at_start_is_a_warning_naming_what_the_engine_does(
 def test_the_stats_of_every_step_carry_the_breakers_state(series: metrics.Series) -> None:
     link = linked(f"127.0.0.1:{free_port()}", series, breaker_failures=2)
     try:
-        assert link.take_stats() == {
-            "counters": {},
-            "histograms": {},
-            "gauges": {"breaker_open": 0},
-        }
+        assert link.take_stats() == {"counters": {}, "histograms": {}, "gauges": {"breaker_open": 0}}
         link.breaker.failure()
         link.breaker.failure()
         stats = link.take_stats()
         assert stats is not None
         assert stats["gauges"] == {"breaker_open": 1}
         assert stats["counters"] == {"breaker_opened": 1}
-        assert link.take_stats() == {
-            "counters": {},
-            "histograms": {},
-            "gauges": {"breaker_open": 1},
-        }
+        assert link.take_stats() == {"counters": {}, "histograms": {}, "gauges": {"breaker_open": 1}}
     finally:
         link.close()

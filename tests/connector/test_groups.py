@@ -158,3 +158,4 @@ def test_a_group_kind_must_be_known_and_a_window_given() -> None:
         KVGroup(BLOCK, "mamba")
     with pytest.raises(ValueError, match="window"):
         KVGroup(BLOCK, SLIDING_WINDOW)
+

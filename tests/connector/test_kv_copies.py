@@ -281,9 +281,7 @@ def test_a_layers_save_copies_wait_for_the_compute_that_writes_it(
         for layer, name in enumerate(a.names):
             a.worker.wait_for_layer_load(name)
             # The layer's attention writes its KV on the compute stream (held by the gate).
-            streams.compute.run(
-                lambda layer=layer: a.caches[layer].index_copy_(0, index, written[layer])
-            )
+            streams.compute.run(lambda layer=layer: a.caches[layer].index_copy_(0, index, written[layer]))
             a.worker.save_kv_layer(name, plan)
         a.worker.wait_for_save(plan)
 

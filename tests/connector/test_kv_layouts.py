@@ -72,9 +72,7 @@ SHAPES = [
     Shape("TRITON_MLA", "BLHNC", KVContent("mla", 1, 16, 576, 0, "bfloat16")),
     Shape("CPU_ATTN", "LBHNC", KVContent("cpu", 2, 128, 64, 64, "bfloat16")),
 ]
-IDS = [
-    f"{s.backend}-{s.order}-{s.content.dtype}{'-kernel' if s.kernel_tokens else ''}" for s in SHAPES
-]
+IDS = [f"{s.backend}-{s.order}-{s.content.dtype}{'-kernel' if s.kernel_tokens else ''}" for s in SHAPES]
 
 
 def vllm_caches(shape: Shape) -> list[torch.Tensor]:
@@ -82,9 +80,7 @@ def vllm_caches(shape: Shape) -> list[torch.Tensor]:
     c = shape.content
     dtype = getattr(torch, c.dtype)
     if c.family == "mla":
-        spec = MLAAttentionSpec(
-            block_size=c.tokens, num_kv_heads=1, head_size=c.head_size, dtype=dtype
-        )
+        spec = MLAAttentionSpec(block_size=c.tokens, num_kv_heads=1, head_size=c.head_size, dtype=dtype)
     else:
         spec = FullAttentionSpec(
             block_size=c.tokens, num_kv_heads=c.heads, head_size=c.head_size,
@@ -98,9 +94,7 @@ def vllm_caches(shape: Shape) -> list[torch.Tensor]:
         layer_stride=layer_stride, block_stride=block_stride,
     )  # fmt: skip
     raw = torch.zeros(tensor.size, dtype=torch.int8)
-    return create_kv_cache_views(
-        raw, spec, BLOCKS, layout, tensor, kernel_block_size=shape.kernel_tokens
-    )
+    return create_kv_cache_views(raw, spec, BLOCKS, layout, tensor, kernel_block_size=shape.kernel_tokens)
 
 
 def backend_kv(shape: Shape, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -63,14 +63,8 @@ def test_corrupt_chunks_are_counted_by_reason() -> None:
     recorder.count("corrupt_chunks", label="checksum")
     prom.observe(recorder.take() or {}, ["m", "0"])
     text = scrape(registry)
-    assert (
-        'kvtier_connector_corrupt_chunks_total{engine="0",model_name="m",reason="checksum"} 2.0'
-        in text
-    )
-    assert (
-        'kvtier_connector_corrupt_chunks_total{engine="0",model_name="m",reason="codec"} 1.0'
-        in text
-    )
+    assert 'kvtier_connector_corrupt_chunks_total{engine="0",model_name="m",reason="checksum"} 2.0' in text
+    assert 'kvtier_connector_corrupt_chunks_total{engine="0",model_name="m",reason="codec"} 1.0' in text
 
 
 def test_without_a_gauge_class_no_gauge_is_created() -> None:

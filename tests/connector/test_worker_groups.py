@@ -86,10 +86,7 @@ def test_each_groups_saved_bytes_are_its_blocks(worker: KvtierWorker) -> None:
     save(worker)
     swa, full = worker._tier.get([b"swa-0", b"full-0"])
     assert swa is not None and full is not None
-    for key, blob, group, blocks in (
-        (b"swa-0", swa, SWA, [3]),
-        (b"full-0", full, FULL_ATTENTION, [4, 5]),
-    ):
+    for key, blob, group, blocks in ((b"swa-0", swa, SWA, [3]), (b"full-0", full, FULL_ATTENTION, [4, 5])):
         decoded = decode_chunk(key, blob)
         stored = torch.frombuffer(bytearray(decoded.payload), dtype=torch.bfloat16)
         assert torch.equal(stored.view(decoded.shape)[0], layer(worker, group)[blocks])

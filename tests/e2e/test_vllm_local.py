@@ -37,12 +37,7 @@ def tier(module_dir: Path) -> Iterator[TierProcess]:
 def engines(
     text_model: Path, tier: TierProcess, start_engine: Callable[..., EngineProcess]
 ) -> tuple[EngineProcess, EngineProcess]:
-    config = {
-        "target": tier.target,
-        "local_socket": tier.local_socket,
-        "chunk_size": CHUNK,
-        **RELAXED,
-    }
+    config = {"target": tier.target, "local_socket": tier.local_socket, "chunk_size": CHUNK, **RELAXED}
     a = start_engine(text_model, name="a", extra_config=config, wait=False)
     b = start_engine(text_model, name="b", extra_config=config, wait=False)
     a.wait_ready()
@@ -87,10 +82,8 @@ def test_after_a_tier_restart_an_engine_loads_chunks_from_their_record_files_wit
     a.flush()
     full = first.num_prompt_tokens // CHUNK
     assert wait_for(
-        lambda: (
-            tier.metric("kvtier_write_behind_queue_depth") == 0
-            and tier.metric("kvtier_tier_entries", tier="disk") >= full
-        )
+        lambda: tier.metric("kvtier_write_behind_queue_depth") == 0
+        and tier.metric("kvtier_tier_entries", tier="disk") >= full
     )
     tier.restart()
     for seed in (1, 2):  # connections to the tier that went away are dropped on their first call

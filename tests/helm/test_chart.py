@@ -103,14 +103,10 @@ def test_no_rbac_rule_uses_a_wildcard(helm: Helm, scenario: Path) -> None:
 
 def test_the_chart_ships_the_operators_crds_byte_for_byte() -> None:
     shipped = sorted(path.name for path in (CHART / "crds").glob("*.yaml"))
-    source = sorted(
-        path.name for path in (ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml")
-    )
+    source = sorted(path.name for path in (ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml"))
     assert shipped == source
     for name in source:
-        assert (CHART / "crds" / name).read_bytes() == (
-            ROOT / "operator" / "kvtier" / "operator" / "crds" / name
-        ).read_bytes(), (
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "operator" / "kvtier" / "operator" / "crds" / name).read_bytes(), (
             f"helm/kvtier/crds/{name} differs from operator/kvtier/operator/crds/{name}: "
             "cp operator/kvtier/operator/crds/*.yaml helm/kvtier/crds/"
         )
@@ -118,10 +114,7 @@ def test_the_chart_ships_the_operators_crds_byte_for_byte() -> None:
 
 def test_the_chart_renders_the_operators_crds(helm: Helm) -> None:
     rendered = of_kind(helm.template(), "CustomResourceDefinition")
-    source = [
-        yaml.safe_load(p.read_text())
-        for p in sorted((ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml"))
-    ]
+    source = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml"))]
     assert sorted(rendered, key=lambda c: c["metadata"]["name"]) == source
 
 
@@ -130,12 +123,7 @@ def test_the_cluster_role_has_exactly_the_rules_of_operator_rbac_yaml(helm: Helm
         ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml"
     ).read_bytes(), "cp operator/kvtier/operator/rbac.yaml helm/kvtier/files/operator/rbac.yaml"
     role = named(helm.template(), "ClusterRole", "kvtier-operator")
-    assert (
-        role["rules"]
-        == yaml.safe_load((ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text())[
-            "rules"
-        ]
-    )
+    assert role["rules"] == yaml.safe_load((ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text())["rules"]
 
 
 def test_the_cluster_role_is_bound_to_the_operators_service_account(helm: Helm) -> None:
@@ -145,9 +133,7 @@ def test_the_cluster_role_is_bound_to_the_operators_service_account(helm: Helm) 
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     assert named(objects, "ServiceAccount", account)["metadata"]["namespace"] == "infra"
     assert binding["roleRef"]["name"] == "kvtier-operator"
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": account, "namespace": "infra"}
-    ]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "infra"}]
 
 
 def test_the_operator_runs_kvtier_operator_with_its_liveness_probe(helm: Helm) -> None:
@@ -196,11 +182,7 @@ def test_image_repository_and_tag_are_values(helm: Helm, tmp_path: Path) -> None
 def test_the_default_tier_is_a_cachetier_resource_with_ram_and_disk(helm: Helm) -> None:
     objects = helm.template()
     (tier,) = of_kind(objects, "CacheTier")
-    assert tier["metadata"] | {"labels": None} == {
-        "name": "kvtier",
-        "namespace": "kvtier",
-        "labels": None,
-    }
+    assert tier["metadata"] | {"labels": None} == {"name": "kvtier", "namespace": "kvtier", "labels": None}
     assert tier["spec"] == {
         "replicas": 1,
         "ramBytes": "2Gi",
@@ -222,10 +204,7 @@ def test_in_chart_redis_wires_the_tier_to_the_charts_redis_and_its_secret(helm: 
     assert len(secret["data"]["password"]) >= 40  # base64 of 32 random characters
     service = named(objects, "Service", "kvtier-redis")
     redis = named(objects, "Deployment", "kvtier-redis")
-    assert (
-        service["spec"]["selector"].items()
-        <= redis["spec"]["template"]["metadata"]["labels"].items()
-    )
+    assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
     (container,) = redis["spec"]["template"]["spec"]["containers"]
     assert "--maxmemory 512mb --maxmemory-policy allkeys-lru" in container["args"][0]
 
@@ -273,14 +252,10 @@ def test_monitoring_on_renders_a_service_monitor_for_every_tier_and_the_tier_dow
         "app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "cache-tier",
     }  # fmt: skip
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
-    assert monitor["spec"]["endpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": "30s"}
-    ]
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
     (rule,) = of_kind(objects, "PrometheusRule")
     files = sorted((CHART / "files" / "rules").glob("*.yaml"))
-    assert rule["spec"]["groups"] == [
-        g for f in files for g in yaml.safe_load(f.read_text())["groups"]
-    ]
+    assert rule["spec"]["groups"] == [g for f in files for g in yaml.safe_load(f.read_text())["groups"]]
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert "KvtierTierDown" in alerts
 
@@ -307,9 +282,7 @@ def test_the_pod_monitor_selects_the_engine_pods_and_port_the_operator_creates(h
     children = model_recipe_children(parse_model_recipe(model_recipe()), None)
     (deployment,) = [c for c in children if c["kind"] == "Deployment"]
     template = deployment["spec"]["template"]
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-    )
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
     (container,) = template["spec"]["containers"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] in [port["name"] for port in container["ports"]]
@@ -366,9 +339,7 @@ def test_the_tier_accepts_grpc_and_data_only_from_engines_and_the_helm_test_and_
     }  # fmt: skip
     grpc, metrics = policy["spec"]["ingress"]
     assert grpc["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 50052, "protocol": "TCP"}]
-    components = [
-        peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc["from"]
-    ]
+    components = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in grpc["from"]]
     assert components == ["engine", "helm-test"]
     assert metrics["ports"] == [{"port": 9400, "protocol": "TCP"}]
     prometheus, operator = metrics["from"]
@@ -401,9 +372,7 @@ def test_in_chart_redis_accepts_only_tier_pods(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.server", "Dockerfile.operator"])
-def test_the_kvtier_images_run_as_the_user_the_chart_pods_run_as(
-    helm: Helm, dockerfile: str
-) -> None:
+def test_the_kvtier_images_run_as_the_user_the_chart_pods_run_as(helm: Helm, dockerfile: str) -> None:
     text = (ROOT / "docker" / dockerfile).read_text()
     (user,) = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     deployment = named(helm.template(), "Deployment", "kvtier-operator")
@@ -418,10 +387,7 @@ def test_tier_tls_names_the_secret_and_the_helm_test_mounts_only_its_ca(helm: He
     assert "dataPort" not in tier["spec"]  # unset: the operator decides (off for 2 replicas)
     pod = named(objects, "Pod", "kvtier-test-tier-health")["spec"]
     volumes = {v["name"]: v["secret"] for v in pod["volumes"]}
-    assert volumes["tls"] == {
-        "secretName": "kvtier-tier-tls",
-        "items": [{"key": "ca.crt", "path": "ca.crt"}],
-    }
+    assert volumes["tls"] == {"secretName": "kvtier-tier-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     assert volumes["client-tls"]["secretName"] == "kvtier-helm-test-tls"
     (tier,) = of_kind(helm.template(), "CacheTier")
     assert "tls" not in tier["spec"]
@@ -458,9 +424,8 @@ def test_mutual_tls_without_a_certificate_for_the_helm_test_fails_saying_what_to
     values.write_text("defaultTier: {tls: {secretName: t, clientAuth: true}}\n")
     result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
     assert result.returncode != 0
-    assert (
-        "defaultTier.tls.testClientSecretName is required when defaultTier.tls.clientAuth is true"
-        in (result.stdout + result.stderr)
+    assert "defaultTier.tls.testClientSecretName is required when defaultTier.tls.clientAuth is true" in (
+        result.stdout + result.stderr
     )
 
 
@@ -470,9 +435,7 @@ def test_the_engine_image_installs_what_every_codec_a_recipe_may_choose_needs() 
     from kvtier.operator.spec import CODECS
 
     dockerfile = (ROOT / "docker" / "Dockerfile.vllm").read_text()
-    deps = tomllib.loads((ROOT / "connector" / "pyproject.toml").read_text())["project"][
-        "dependencies"
-    ]
+    deps = tomllib.loads((ROOT / "connector" / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "pip install --no-cache-dir /tmp/kvtier/proto /tmp/kvtier/connector" in dockerfile
     assert "zstd" in CODECS and any(dep.startswith("zstandard") for dep in deps)
 
@@ -484,9 +447,8 @@ def test_forcing_the_data_port_on_several_replicas_without_redis_fails_saying_wh
     values.write_text("defaultTier: {replicas: 2, dataPort: true}\n")
     result = helm.run("template", "kvtier", CHART, "--values", values, check=False)
     assert result.returncode != 0
-    assert (
-        "defaultTier.dataPort: true needs Redis (redis.mode) when defaultTier.replicas is more than 1"
-        in (result.stdout + result.stderr)
+    assert "defaultTier.dataPort: true needs Redis (redis.mode) when defaultTier.replicas is more than 1" in (
+        result.stdout + result.stderr
     )
     values.write_text("defaultTier: {replicas: 2, dataPort: true}\nredis: {mode: inChart}\n")
     (tier,) = of_kind(helm.template(values), "CacheTier")

@@ -40,9 +40,7 @@ def test_install_upgrade_and_uninstall_work_with_helm(
         return spec
 
     def status() -> dict[str, object]:
-        out = helm.run(
-            "status", "kvtier", "--namespace", namespace, "--output", "json", kubeconfig=kubeconfig
-        )
+        out = helm.run("status", "kvtier", "--namespace", namespace, "--output", "json", kubeconfig=kubeconfig)
         info: dict[str, object] = json.loads(out.stdout)
         return info
 
@@ -54,16 +52,6 @@ def test_install_upgrade_and_uninstall_work_with_helm(
     assert tier()["ramBytes"] == "3Gi"
     assert status()["version"] == 2
     # --no-hooks: no kubelet here runs the pre-delete hook's pod (tests/cluster runs it on a node).
-    helm.run(
-        "uninstall",
-        "kvtier",
-        "--namespace",
-        namespace,
-        "--wait",
-        "--no-hooks",
-        kubeconfig=kubeconfig,
-    )
-    gone = helm.run(
-        "status", "kvtier", "--namespace", namespace, kubeconfig=kubeconfig, check=False
-    )
+    helm.run("uninstall", "kvtier", "--namespace", namespace, "--wait", "--no-hooks", kubeconfig=kubeconfig)
+    gone = helm.run("status", "kvtier", "--namespace", namespace, kubeconfig=kubeconfig, check=False)
     assert gone.returncode != 0 and "not found" in gone.stderr

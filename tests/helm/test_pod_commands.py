@@ -63,9 +63,7 @@ def test_the_helm_test_checks_a_mutual_tls_tier_with_the_secrets_it_mounts(
         "defaultTier: {tls: {secretName: tier-tls, clientAuth: true, testClientSecretName: test-tls}}\n"
     )
     pod = next(
-        o
-        for o in helm.template(values)
-        if o["kind"] == "Pod" and o["metadata"]["name"] == "kvtier-test-tier-health"
+        o for o in helm.template(values) if o["kind"] == "Pod" and o["metadata"]["name"] == "kvtier-test-tier-health"
     )["spec"]
     (container,) = pod["containers"]
     # What the kubelet mounts: only ca.crt of the tier's Secret, the test Secret's pair.
@@ -88,10 +86,7 @@ def test_the_helm_test_checks_a_mutual_tls_tier_with_the_secrets_it_mounts(
         "/etc/kvtier/tls/ca.crt", "/etc/kvtier/client-tls/tls.crt", "/etc/kvtier/client-tls/tls.key",
     ]  # fmt: skip
     result = subprocess.run(
-        command[:5] + [paths[path] for path in command[5:]],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        command[:5] + [paths[path] for path in command[5:]], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"the kvtier tier at {tier.target} is SERVING" in result.stdout
@@ -112,9 +107,7 @@ def test_the_helm_test_fails_naming_the_error_when_no_tier_answers(helm: Helm) -
 
 
 @pytest.fixture
-def in_chart_redis(
-    helm: Helm, tmp_path: Path
-) -> Iterator[tuple[int, str, subprocess.Popen[bytes]]]:
+def in_chart_redis(helm: Helm, tmp_path: Path) -> Iterator[tuple[int, str, subprocess.Popen[bytes]]]:
     """The in-chart Redis's container script, run with this machine's redis-server."""
     objects = helm.template(CHART / "ci" / "in-chart-redis-values.yaml")
     container = only_container(objects, "Deployment", "kvtier-redis")
@@ -183,14 +176,10 @@ def queried_metrics() -> set[str]:
     expressions, with a histogram's _bucket/_sum/_count suffix taken off."""
     exprs = []
     for path in (CHART / "files" / "dashboards").glob("*.json"):
-        exprs += [
-            t["expr"] for p in json.loads(path.read_text())["panels"] for t in p.get("targets", [])
-        ]
+        exprs += [t["expr"] for p in json.loads(path.read_text())["panels"] for t in p.get("targets", [])]
     for path in (CHART / "files" / "rules").glob("*.yaml"):
         exprs += [r["expr"] for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
-    names = {
-        name for expr in exprs for name in re.findall(r"\bkvtier_(?!connector_)[a-z0-9_]+", expr)
-    }
+    names = {name for expr in exprs for name in re.findall(r"\bkvtier_(?!connector_)[a-z0-9_]+", expr)}
     return {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}
 
 

@@ -15,9 +15,7 @@ def lint_error(helm: Helm, tmp_path: Path, values: str) -> str:
     return result.stdout + result.stderr
 
 
-def test_an_unknown_key_fails_with_the_schemas_message_naming_it(
-    helm: Helm, tmp_path: Path
-) -> None:
+def test_an_unknown_key_fails_with_the_schemas_message_naming_it(helm: Helm, tmp_path: Path) -> None:
     message = lint_error(helm, tmp_path, "defaultTier:\n  ramBytez: 4Gi\n")
     assert "values don't meet the specifications of the schema" in message
     assert "at '/defaultTier': additional properties 'ramBytez' not allowed" in message

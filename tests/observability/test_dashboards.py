@@ -23,9 +23,7 @@ from kvtier.testing.queries import (
 from tests.observability.conftest import ObsTools
 
 
-def test_every_dashboard_type_checks_against_grafana_schema(
-    obs_tools: ObsTools, tmp_path: Path
-) -> None:
+def test_every_dashboard_type_checks_against_grafana_schema(obs_tools: ObsTools, tmp_path: Path) -> None:
     shutil.copy(Path(__file__).with_name("dashboard.ts"), tmp_path / "dashboard.ts")
     (tmp_path / "node_modules").symlink_to(obs_tools.grafana_schema_dir / "node_modules")
     for path in DASHBOARDS:
@@ -44,9 +42,7 @@ def test_every_dashboard_type_checks_against_grafana_schema(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_type_check_rejects_an_unknown_panel_option(
-    obs_tools: ObsTools, tmp_path: Path
-) -> None:
+def test_the_type_check_rejects_an_unknown_panel_option(obs_tools: ObsTools, tmp_path: Path) -> None:
     """The check above has teeth: one stray key in one panel fails it."""
     shutil.copy(Path(__file__).with_name("dashboard.ts"), tmp_path / "dashboard.ts")
     (tmp_path / "node_modules").symlink_to(obs_tools.grafana_schema_dir / "node_modules")
@@ -69,14 +65,11 @@ def test_the_type_check_rejects_an_unknown_panel_option(
 def test_every_expression_passes_promtool_check_rules(promtool: str, tmp_path: Path) -> None:
     """Each panel query (Grafana variables filled in) and alert expr, as a recording rule."""
     recorded = [
-        {"record": f"kvtier_check:expr_{i}", "expr": concrete(expr)}
-        for i, (_, expr) in enumerate(exprs())
+        {"record": f"kvtier_check:expr_{i}", "expr": concrete(expr)} for i, (_, expr) in enumerate(exprs())
     ]
     rule_file = tmp_path / "exprs.yaml"
     rule_file.write_text(yaml.safe_dump({"groups": [{"name": "exprs", "rules": recorded}]}))
-    result = subprocess.run(
-        [promtool, "check", "rules", str(rule_file)], capture_output=True, text=True
-    )
+    result = subprocess.run([promtool, "check", "rules", str(rule_file)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(recorded)} rules found" in result.stdout
 
@@ -87,9 +80,7 @@ def test_no_query_reads_a_counter_as_an_all_time_total() -> None:
 
 
 def test_every_hit_rate_panel_divides_rates_of_hits_by_rates_of_lookups() -> None:
-    hit_rate_panels = [
-        p for _, p in panels() if p["fieldConfig"]["defaults"]["unit"] == "percentunit"
-    ]
+    hit_rate_panels = [p for _, p in panels() if p["fieldConfig"]["defaults"]["unit"] == "percentunit"]
     assert len(hit_rate_panels) >= 6
     for panel in hit_rate_panels:
         for target in panel["targets"]:

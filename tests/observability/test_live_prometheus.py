@@ -33,9 +33,7 @@ def prometheus(
     obs_tools: ObsTools, module_tier: TierProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Prometheus]:
     prom = Prometheus.start(
-        tmp_path_factory.mktemp("prometheus"),
-        {"kvtier": module_tier.metrics_url},
-        binary=obs_tools.prometheus,
+        tmp_path_factory.mktemp("prometheus"), {"kvtier": module_tier.metrics_url}, binary=obs_tools.prometheus
     )
     yield prom
     prom.stop()
@@ -48,9 +46,7 @@ def traffic(prometheus: Prometheus, module_tier: TierProcess) -> float:
     with TierClient(module_tier.target, timeout_s=10) as client:
         assert client.put([(k, os.urandom(64 << 10)) for k in keys[:PRESENT]]) == PRESENT
     # Two scrapes of the counters before any Lookup or Get: the rate window starts at zero.
-    prometheus.wait_scraped(
-        'kvtier_server_lookup_keys_total == 0 and on() kvtier_tier_hits_total{tier="ram"} == 0'
-    )
+    prometheus.wait_scraped('kvtier_server_lookup_keys_total == 0 and on() kvtier_tier_hits_total{tier="ram"} == 0')
     time.sleep(2.5)
     started = time.time() - 1.5
 
@@ -82,14 +78,10 @@ def test_chunk_hit_rate_panel_returns_the_share_of_keys_the_tier_held(
     prometheus: Prometheus, traffic: float
 ) -> None:
     expr = _panel_expr("kvtier-overview", "Chunk hit rate (Lookup)")
-    assert _at_now(prometheus, expr, traffic) == {
-        "": pytest.approx(PRESENT / (PRESENT + ABSENT), abs=1e-9)
-    }
+    assert _at_now(prometheus, expr, traffic) == {"": pytest.approx(PRESENT / (PRESENT + ABSENT), abs=1e-9)}
 
 
-def test_get_hit_rate_per_tier_panel_returns_each_tiers_share(
-    prometheus: Prometheus, traffic: float
-) -> None:
+def test_get_hit_rate_per_tier_panel_returns_each_tiers_share(prometheus: Prometheus, traffic: float) -> None:
     # RAM holds the 6 stored keys; the 4 others miss in RAM, then in disk.
     expr = _panel_expr("kvtier-overview", "Get hit rate per tier")
     assert _at_now(prometheus, expr, traffic) == {
@@ -98,9 +90,7 @@ def test_get_hit_rate_per_tier_panel_returns_each_tiers_share(
     }
 
 
-def test_tier_bytes_out_panel_returns_the_bytes_sent(
-    prometheus: Prometheus, traffic: float
-) -> None:
+def test_tier_bytes_out_panel_returns_the_bytes_sent(prometheus: Prometheus, traffic: float) -> None:
     expr = _panel_expr("kvtier-overview", "Tier bytes in and out", "B")
     window = math.ceil(traffic) + 30
     at = time.time()

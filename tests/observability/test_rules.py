@@ -19,10 +19,7 @@ def test_alert_rule_files_pass_promtool_check_rules(promtool: str) -> None:
 
 def test_alerts_fire_and_stay_quiet_on_the_series_of_rules_test_yaml(promtool: str) -> None:
     result = subprocess.run(
-        [promtool, "test", "rules", RULES_TEST.name],
-        cwd=RULES_TEST.parent,
-        capture_output=True,
-        text=True,
+        [promtool, "test", "rules", RULES_TEST.name], cwd=RULES_TEST.parent, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

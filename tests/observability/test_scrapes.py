@@ -33,9 +33,7 @@ MODEL_NAME = "tiny-qwen2"
 
 
 @pytest.fixture(scope="module")
-def engine(
-    module_tier: TierProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
+def engine(module_tier: TierProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     work = tmp_path_factory.mktemp("vllm")
     # A multimodal model, so the encoder-cache connector's series are scraped too.
     model = build_vl_model(work / "model")
@@ -69,11 +67,7 @@ def _series_names(text: str) -> set[str]:
     """Every name a query can use: sample names, and the names of declared families
     (a labelled counter is declared before its first sample: ``_total``, histograms'
     ``_bucket``/``_count``/``_sum``)."""
-    names = {
-        line.split("{")[0].split(" ")[0]
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
     for family, kind in _families(text).items():
         names.add(family)
         if kind == "counter":
@@ -94,9 +88,7 @@ def _labels_of(text: str, name: str) -> set[str] | None:
 
 
 def _promtool_check(promtool: str, text: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
-    )
+    return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
 
 
 def _only(text: str, prefix: str) -> str:
@@ -117,16 +109,12 @@ def test_tier_metrics_pass_promtool_check_metrics(promtool: str, scrapes: dict[s
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
-def test_connector_metrics_on_vllm_pass_promtool_check_metrics(
-    promtool: str, scrapes: dict[str, str]
-) -> None:
+def test_connector_metrics_on_vllm_pass_promtool_check_metrics(promtool: str, scrapes: dict[str, str]) -> None:
     result = _promtool_check(promtool, _only(scrapes["vllm"], "kvtier_"))
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
-def test_vllm_metrics_parse_and_only_vllms_own_names_draw_lint(
-    promtool: str, scrapes: dict[str, str]
-) -> None:
+def test_vllm_metrics_parse_and_only_vllms_own_names_draw_lint(promtool: str, scrapes: dict[str, str]) -> None:
     """vLLM names its series ``vllm:*`` (colons are for recording rules, says the lint):
     vLLM's choice, not ours. Everything else on its /metrics is clean."""
     result = _promtool_check(promtool, scrapes["vllm"])
@@ -135,9 +123,7 @@ def test_vllm_metrics_parse_and_only_vllms_own_names_draw_lint(
     assert [p for p in problems if not p.startswith("vllm:")] == []
 
 
-def test_every_metric_name_in_dashboards_and_alerts_is_in_the_scrapes(
-    scrapes: dict[str, str],
-) -> None:
+def test_every_metric_name_in_dashboards_and_alerts_is_in_the_scrapes(scrapes: dict[str, str]) -> None:
     scraped = _series_names(scrapes["tier"]) | _series_names(scrapes["vllm"])
     used = {s.name for _, expr in exprs() for s in selectors(expr)}
     for dashboard in dashboards().values():
@@ -148,9 +134,7 @@ def test_every_metric_name_in_dashboards_and_alerts_is_in_the_scrapes(
     assert sorted(used - scraped - SYNTHETIC) == []
 
 
-def test_every_label_a_query_filters_or_groups_by_is_on_the_scraped_series(
-    scrapes: dict[str, str],
-) -> None:
+def test_every_label_a_query_filters_or_groups_by_is_on_the_scraped_series(scrapes: dict[str, str]) -> None:
     text = scrapes["tier"] + scrapes["vllm"]
     missing = []
     for where, expr in exprs():
@@ -160,26 +144,17 @@ def test_every_label_a_query_filters_or_groups_by_is_on_the_scraped_series(
                 have = _labels_of(text, sel.name)
                 if have is None:  # no sample yet (an error counter): the name check covers it
                     continue
-                missing += [
-                    f"{where}: {sel.name} has no label {label!r}"
-                    for label in labels - have - TARGET_LABELS
-                ]
+                missing += [f"{where}: {sel.name} has no label {label!r}" for label in labels - have - TARGET_LABELS]
     assert missing == []
 
 
 def test_the_connector_series_carry_the_served_model_name(scrapes: dict[str, str]) -> None:
-    line = next(
-        x
-        for x in scrapes["vllm"].splitlines()
-        if x.startswith("kvtier_connector_hit_tokens_total{")
-    )
+    line = next(x for x in scrapes["vllm"].splitlines() if x.startswith("kvtier_connector_hit_tokens_total{"))
     assert f'model_name="{MODEL_NAME}"' in line
     assert float(line.rpartition(" ")[2]) >= 512  # the repeat's full chunks came from the tier
 
 
-def test_every_metric_the_tier_exports_is_a_row_of_the_docs_tier_table(
-    scrapes: dict[str, str],
-) -> None:
+def test_every_metric_the_tier_exports_is_a_row_of_the_docs_tier_table(scrapes: dict[str, str]) -> None:
     doc = (ROOT / "docs" / "observability.md").read_text()
     table = doc.split("### The cache tier", 1)[1].split("\n### ", 1)[0]
     rows = set(re.findall(r"^\| `(kvtier_\w+)` \|", table, re.M))
@@ -187,8 +162,6 @@ def test_every_metric_the_tier_exports_is_a_row_of_the_docs_tier_table(
     for family, kind in _families(scrapes["tier"]).items():
         # prometheus_client adds a <counter>_created gauge beside each unlabelled counter
         if family.startswith("kvtier_") and not family.endswith("_created"):
-            exported.add(
-                family + "_total" if kind == "counter" and not family.endswith("_total") else family
-            )
+            exported.add(family + "_total" if kind == "counter" and not family.endswith("_total") else family)
     assert exported, "the tier's scrape has no kvtier_ family"
     assert sorted(exported - rows) == []

@@ -48,9 +48,7 @@ async def _install(plane: ControlPlane) -> None:
     try:
         for path in sorted((ROOT / "operator" / "kvtier" / "operator" / "crds").glob("*.yaml")):
             await client.apply(yaml.safe_load(path.read_text()))
-        await client.apply(
-            yaml.safe_load((ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text())
-        )
+        await client.apply(yaml.safe_load((ROOT / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text()))
         await client.apply({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",

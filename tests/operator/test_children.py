@@ -557,10 +557,9 @@ def test_a_model_on_a_volume_is_loaded_read_only_and_served_under_the_recipes_mo
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
     pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
-    assert {
-        "name": "model",
-        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
-    } in pod["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
+        "volumes"
+    ]
     assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     assert "PersistentVolumeClaim" not in [c["kind"] for c in children]  # the user's claim
 
@@ -598,14 +597,11 @@ def test_a_model_cache_of_a_size_is_a_claim_the_recipe_owns_mounted_as_hf_home()
     }  # fmt: skip
     container = engine_container(children)
     assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in container["env"]
-    assert {"name": "model-cache", "mountPath": "/var/cache/huggingface"} in container[
-        "volumeMounts"
-    ]
+    assert {"name": "model-cache", "mountPath": "/var/cache/huggingface"} in container["volumeMounts"]
     pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
-    assert {
-        "name": "model-cache",
-        "persistentVolumeClaim": {"claimName": "qwen-model-cache"},
-    } in pod["volumes"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "qwen-model-cache"}} in pod[
+        "volumes"
+    ]
 
 
 def test_an_existing_model_cache_claim_is_mounted_and_not_made() -> None:
@@ -630,10 +626,8 @@ def test_a_per_node_tier_is_a_daemonset_on_the_engine_nodes_with_its_socket_on_t
     pod = daemonset["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"] == PER_NODE["tolerations"]
-    assert {
-        "name": "kvtier-socket",
-        "hostPath": {"path": "/var/run/kvtier/ml/shared", "type": "DirectoryOrCreate"},
-    } in pod["volumes"]
+    assert {"name": "kvtier-socket", "hostPath": {
+        "path": "/var/run/kvtier/ml/shared", "type": "DirectoryOrCreate"}} in pod["volumes"]
     (container,) = pod["containers"]
     assert {"name": "kvtier-socket", "mountPath": "/run/kvtier"} in container["volumeMounts"]
     settings = by_kind(children, "ConfigMap")["data"]
@@ -684,21 +678,16 @@ def test_engines_of_a_per_node_tier_mount_its_node_directory_and_try_the_socket_
     assert extra["local_socket"] == "/run/kvtier/tier.sock"
     assert extra["target"] == "shared.ml.svc:50051"  # where no tier pod runs on the node
     pod = by_kind(children, "Deployment")["spec"]["template"]["spec"]
-    assert {
-        "name": "kvtier-socket",
-        "hostPath": {"path": "/var/run/kvtier/ml/shared", "type": "DirectoryOrCreate"},
-    } in pod["volumes"]
+    assert {"name": "kvtier-socket", "hostPath": {
+        "path": "/var/run/kvtier/ml/shared", "type": "DirectoryOrCreate"}} in pod["volumes"]
     assert {"name": "kvtier-socket", "mountPath": "/run/kvtier"} in pod["containers"][0][
         "volumeMounts"
     ]
     assert pod["securityContext"]["supplementalGroups"] == [65532]  # the socket's group
     shared = recipe_children()
-    assert (
-        "local_socket"
-        not in json.loads(by_kind(shared, "ConfigMap")["data"]["kv-transfer-config.json"])[
-            "kv_connector_extra_config"
-        ]
-    )
+    assert "local_socket" not in json.loads(
+        by_kind(shared, "ConfigMap")["data"]["kv-transfer-config.json"]
+    )["kv_connector_extra_config"]
 
 
 @pytest.mark.parametrize(

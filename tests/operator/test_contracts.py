@@ -372,12 +372,8 @@ def test_vllm_loads_a_volume_model_from_the_mounted_path_and_serves_it_under_the
             ref = var["valueFrom"]["configMapKeyRef"]
             expanded[var["name"]] = config[ref["key"]]
     assert env["HF_HUB_OFFLINE"] == "1"
-    args = [
-        expanded.get(arg[2:-1], arg) if arg.startswith("$(") else arg for arg in container["args"]
-    ]
-    args = [
-        arg.replace(MODEL_DIR, str(volume), 1) if arg.startswith(MODEL_DIR) else arg for arg in args
-    ]
+    args = [expanded.get(arg[2:-1], arg) if arg.startswith("$(") else arg for arg in container["args"]]
+    args = [arg.replace(MODEL_DIR, str(volume), 1) if arg.startswith(MODEL_DIR) else arg for arg in args]
     done = subprocess.run(
         [sys.executable, "-c", VLLM_READS_ARGS, *args],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
@@ -400,9 +396,7 @@ def test_every_quota_setting_of_a_cache_tier_is_a_per_tenant_quota_flag_of_the_s
     for name in TENANT_QUOTA_SETTINGS:
         assert name in known, f"{name} is not a kvtier server setting"
         assert "quota" in known[name].name and "tenant" in known[name].name
-        assert (
-            getattr(server_settings.parse([], {name: str(3 << 20)}), known[name].field) == 3 << 20
-        )
+        assert getattr(server_settings.parse([], {name: str(3 << 20)}), known[name].field) == 3 << 20
 
 
 def test_a_tenant_at_the_quota_the_operator_set_evicts_its_own_entries_never_anothers(
@@ -410,9 +404,7 @@ def test_a_tenant_at_the_quota_the_operator_set_evicts_its_own_entries_never_ano
 ) -> None:
     quota = 256 << 10
     env = tier_env(
-        tier_children(
-            authSecretRef={"name": AUTH}, tenantQuotaBytes=quota, disk={"enabled": False}
-        ),
+        tier_children(authSecretRef={"name": AUTH}, tenantQuotaBytes=quota, disk={"enabled": False}),
         tmp_path,
     )
     assert env["KVTIER_TENANT_QUOTA_BYTES"] == str(quota)

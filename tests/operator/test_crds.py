@@ -13,9 +13,7 @@ from tests.operator import crdschema
 from tests.operator.bodies import cache_tier
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted(
-    (ROOT / "recipes" / "local").glob("tiny-*.yaml")
-)
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "recipes" / "local").glob("tiny-*.yaml"))
 DOC = ROOT / "docs" / "operator.md"
 
 

@@ -561,10 +561,9 @@ async def test_a_model_on_a_volume_says_its_claim_is_missing_until_it_exists_and
     assert container["args"][:4] == [
         "--model", "/models/google/gemma-3-4b-it", "--served-model-name", "google/gemma-3-4b-it",
     ]  # fmt: skip
-    assert {
-        "name": "model",
-        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
-    } in (pod["volumes"])
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in (
+        pod["volumes"]
+    )
     await kube.create(claim(namespace, "models"))
     await wait_for_condition(
         kube, namespace, "ModelRecipe", "qwen", "EngineReady", reason="ReplicasNotReady"
@@ -593,9 +592,7 @@ async def test_a_gated_model_gets_its_cache_claim_and_says_its_token_secret_is_m
         kube, namespace, "ModelRecipe", "qwen", "EngineReady", reason="ReplicasNotReady"
     )
     # Created once: a later size is not applied to the claim (resized on the claim itself).
-    await kube.patch(
-        MODEL_RECIPE, namespace, "qwen", {"spec": {"model": {"cache": {"size": "80Gi"}}}}
-    )
+    await kube.patch(MODEL_RECIPE, namespace, "qwen", {"spec": {"model": {"cache": {"size": "80Gi"}}}})
     await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "EngineReady", generation=2)
     again = await kube.get(CLAIM, namespace, "qwen-model-cache")
     assert again is not None and again["metadata"]["uid"] == made["metadata"]["uid"]
@@ -626,13 +623,10 @@ async def test_a_per_node_tier_is_a_daemonset_the_api_server_accepts_and_needs_r
     assert pod["initContainers"][0]["securityContext"]["capabilities"]["add"] == ["CHOWN", "FOWNER"]
     (socket_dir,) = [v for v in pod["volumes"] if "hostPath" in v]
     assert socket_dir["hostPath"] == {
-        "path": f"/var/run/kvtier/{namespace}/shared",
-        "type": "DirectoryOrCreate",
+        "path": f"/var/run/kvtier/{namespace}/shared", "type": "DirectoryOrCreate"
     }
     await kube.create(model_recipe(namespace))
-    await wait_for_condition(
-        kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady"
-    )
+    await wait_for_condition(kube, namespace, "ModelRecipe", "qwen", "TierReady", reason="TierNotReady")
     deployment = await kube.get(DEPLOYMENT, namespace, "qwen")
     assert deployment is not None
     engine = deployment["spec"]["template"]["spec"]

@@ -11,11 +11,7 @@ from kvtier.operator.reconcile import CREATE_ONCE
 from kvtier.operator.spec import parse_cache_tier, parse_model_recipe
 from tests.operator.bodies import cache_tier, model_recipe
 
-RBAC = yaml.safe_load(
-    (
-        Path(__file__).resolve().parents[2] / "operator" / "kvtier" / "operator" / "rbac.yaml"
-    ).read_text()
-)
+RBAC = yaml.safe_load((Path(__file__).resolve().parents[2] / "operator" / "kvtier" / "operator" / "rbac.yaml").read_text())
 
 
 def allowed(group: str, resource: str) -> set[str]:

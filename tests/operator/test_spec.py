@@ -276,9 +276,7 @@ def test_a_model_cache_is_an_existing_claim_or_a_size_for_the_operators_claim() 
 
 
 def test_a_tenant_quota_is_a_quantity_and_zero_or_unset_is_none() -> None:
-    assert (
-        parse_cache_tier(cache_tier(tenantQuotaBytes="512Mi")).spec.tenant_quota_bytes == 512 << 20
-    )
+    assert parse_cache_tier(cache_tier(tenantQuotaBytes="512Mi")).spec.tenant_quota_bytes == 512 << 20
     assert parse_cache_tier(cache_tier(tenantQuotaBytes=0)).spec.tenant_quota_bytes == 0
     assert parse_cache_tier(cache_tier()).spec.tenant_quota_bytes == 0
     with pytest.raises(SpecError, match=r"^spec\.tenantQuotaBytes: expected a quantity"):
@@ -308,10 +306,7 @@ def test_node_selectors_and_tolerations_are_checked_naming_the_entry() -> None:
     tier = parse_cache_tier(cache_tier(
         nodeSelector={"pool": "gpu"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
     )).spec  # fmt: skip
-    assert (tier.node_selector, tier.tolerations) == (
-        {"pool": "gpu"},
-        ({"key": "gpu", "operator": "Exists"},),
-    )
+    assert (tier.node_selector, tier.tolerations) == ({"pool": "gpu"}, ({"key": "gpu", "operator": "Exists"},))
     with pytest.raises(SpecError, match=r"^spec\.nodeSelector\.pool: expected a string"):
         parse_cache_tier(cache_tier(nodeSelector={"pool": 1}))
     with pytest.raises(SpecError, match=r"^spec\.tolerations\[1\]\.effect: expected one of"):

@@ -176,15 +176,11 @@ def test_both_readers_agree_on_every_part_of_a_file(record_file: tuple[int, byte
         n = rng.randrange(0, len(data) - start)
         prefix = rng.randrange(0, min(n, 65535) + 1)
         a, b = bytearray(n - prefix), bytearray(n - prefix)
-        assert _copyhash.read_checked(fd, start, a, prefix) == localwire.read_checked_py(
-            fd, start, memoryview(b), prefix
-        )
+        assert _copyhash.read_checked(fd, start, a, prefix) == localwire.read_checked_py(fd, start, memoryview(b), prefix)
         assert a == b == data[start + prefix : start + n]
 
 
-def test_a_file_that_ends_early_raises_eof(
-    read: Callable[..., int], record_file: tuple[int, bytes]
-) -> None:
+def test_a_file_that_ends_early_raises_eof(read: Callable[..., int], record_file: tuple[int, bytes]) -> None:
     fd, data = record_file
     with pytest.raises(EOFError):
         read(fd, 10, memoryview(bytearray(len(data))), 0)  # 10 bytes short
@@ -192,9 +188,7 @@ def test_a_file_that_ends_early_raises_eof(
         read(fd, len(data) - 5, memoryview(bytearray(1)), 10)  # inside the prefix
 
 
-def test_a_bad_descriptor_or_argument_is_refused(
-    read: Callable[..., int], record_file: tuple[int, bytes]
-) -> None:
+def test_a_bad_descriptor_or_argument_is_refused(read: Callable[..., int], record_file: tuple[int, bytes]) -> None:
     fd, _ = record_file
     with pytest.raises(OSError):
         read(10_000, 0, memoryview(bytearray(10)), 0)  # not open

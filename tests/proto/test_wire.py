@@ -20,39 +20,18 @@ def test_hand_encoded_get_frames_parse_as_the_generated_message(
 ) -> None:
     raw = wire.encode_get_frame(index, found, total, offset, data)
     m = cache_pb2.GetFrame.FromString(raw)
-    assert (m.index, m.found, m.total_length, m.offset, m.data) == (
-        index,
-        found,
-        total,
-        offset,
-        data,
-    )
+    assert (m.index, m.found, m.total_length, m.offset, m.data) == (index, found, total, offset, data)
     assert raw == m.SerializeToString()
 
 
 @given(index=u32, found=st.booleans(), total=u64, offset=u64, data=st.binary(max_size=300))
-def test_generated_get_frames_decode_by_hand(
-    index: int, found: bool, total: int, offset: int, data: bytes
-) -> None:
-    raw = cache_pb2.GetFrame(
-        index=index, found=found, total_length=total, offset=offset, data=data
-    ).SerializeToString()
+def test_generated_get_frames_decode_by_hand(index: int, found: bool, total: int, offset: int, data: bytes) -> None:
+    raw = cache_pb2.GetFrame(index=index, found=found, total_length=total, offset=offset, data=data).SerializeToString()
     f = wire.decode_get_frame(raw)
-    assert (f.index, f.found, f.total_length, f.offset, bytes(f.data)) == (
-        index,
-        found,
-        total,
-        offset,
-        data,
-    )
+    assert (f.index, f.found, f.total_length, f.offset, bytes(f.data)) == (index, found, total, offset, data)
 
 
-@given(
-    key=st.binary(max_size=300),
-    total=u64,
-    offset=u64,
-    parts=st.lists(st.binary(max_size=100), max_size=4),
-)
+@given(key=st.binary(max_size=300), total=u64, offset=u64, parts=st.lists(st.binary(max_size=100), max_size=4))
 def test_hand_encoded_put_frames_parse_as_the_generated_message(
     key: bytes, total: int, offset: int, parts: list[bytes]
 ) -> None:
@@ -79,9 +58,7 @@ def test_decoded_payloads_are_views_into_the_message_not_copies() -> None:
         (b"\x10" + b"\xff" * 11, "varint too long"),
     ],
 )
-def test_malformed_put_frames_raise_a_wire_error_naming_the_problem(
-    raw: bytes, message: str
-) -> None:
+def test_malformed_put_frames_raise_a_wire_error_naming_the_problem(raw: bytes, message: str) -> None:
     with pytest.raises(wire.WireError, match=message):
         wire.decode_put_frame(raw)
 

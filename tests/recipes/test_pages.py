@@ -221,9 +221,7 @@ def test_the_hybrid_section_lists_exactly_the_sliding_window_architectures() -> 
         assert row["Manager on with kvtier"] == CHECK
 
 
-@pytest.mark.parametrize(
-    "arch", [a for a in ARCHITECTURES if a.sliding_window], ids=lambda a: a.page
-)
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a.sliding_window], ids=lambda a: a.page)
 def test_a_hybrid_page_says_what_each_group_stores_and_cites_the_hybrid_tests(arch: Any) -> None:
     text = section((RECIPES / f"{arch.page}.rst").read_text(), "Hybrid attention")
     assert "full-attention" in text and "sliding-window" in text

@@ -237,7 +237,9 @@ def decode_chunk(key: bytes, blob: Buffer) -> DecodedChunk:
     if codec_id not in _CODEC_NAMES:
         raise ChunkDecodeError(f"unknown chunk codec id {codec_id}", "codec")
     if fingerprint != key_fingerprint(key):
-        raise ChunkDecodeError("chunk belongs to another key (fingerprint mismatch)", "fingerprint")
+        raise ChunkDecodeError(
+            "chunk belongs to another key (fingerprint mismatch)", "fingerprint"
+        )
     if header_size < _FIXED.size + 3 + _CHECKSUM.size or header_size + payload_size != data.nbytes:
         raise ChunkDecodeError(
             f"chunk length mismatch: {data.nbytes} bytes, header says "

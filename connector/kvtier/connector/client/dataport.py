@@ -37,7 +37,9 @@ from kvtier.proto.datawire import Op, Status
 _IOV_MAX = 512
 
 
-def tls_context(ca_file: str | None, cert_file: str | None, key_file: str | None) -> ssl.SSLContext:
+def tls_context(
+    ca_file: str | None, cert_file: str | None, key_file: str | None
+) -> ssl.SSLContext:
     """The TLS context of data-port connections: the gRPC channel's CA and client certificate."""
     context = ssl.create_default_context(cafile=ca_file)
     if cert_file:
@@ -177,9 +179,7 @@ class DataPortTransport(ConnectionPool[_Conn]):
 
     def _connect(self, deadline: Deadline) -> _Conn:
         try:
-            sock = socket.create_connection(
-                (self.host, self.port), timeout=deadline.connect_timeout()
-            )
+            sock = socket.create_connection((self.host, self.port), timeout=deadline.connect_timeout())
         except OSError as exc:
             raise TransportUnreachable(
                 f"cannot connect to the data port {self.host}:{self.port}: {exc}"

@@ -170,9 +170,7 @@ class _FileValue:
 
     __slots__ = ("buf", "checksum", "fd", "index", "key_len", "offset")
 
-    def __init__(
-        self, index: int, buf: memoryview, fd: int, offset: int, key_len: int, checksum: int
-    ) -> None:
+    def __init__(self, index: int, buf: memoryview, fd: int, offset: int, key_len: int, checksum: int) -> None:
         self.index, self.buf, self.fd = index, buf, fd
         self.offset, self.key_len, self.checksum = offset, key_len, checksum
 
@@ -277,12 +275,8 @@ class LocalTransport(ConnectionPool[_Conn]):
                         conn.recv_into(buf, deadline)  # inline values follow the entries, in order
                     elif place == Place.FILE:
                         if not conn.fds:
-                            raise ConnectionError(
-                                "the tier named a record file but sent no descriptor"
-                            )
-                        files.append(
-                            _FileValue(len(out), buf, conn.fds.popleft(), offset, segment, crc)
-                        )
+                            raise ConnectionError("the tier named a record file but sent no descriptor")
+                        files.append(_FileValue(len(out), buf, conn.fds.popleft(), offset, segment, crc))
                     else:
                         source = conn.segments.get(segment)
                         if source is None or offset + length > source.nbytes:
@@ -308,9 +302,7 @@ class LocalTransport(ConnectionPool[_Conn]):
                 try:
                     conn.reply(Op.DELETE, deadline)
                 except Refused as refused:  # still a miss; the tier's own read deletes it later
-                    logger.warning(
-                        "kvtier: deleting the failed record file(s) was refused: %s", refused
-                    )
+                    logger.warning("kvtier: deleting the failed record file(s) was refused: %s", refused)
                 for i in corrupt:
                     out[i] = None
                 if stop_at_first_miss:

@@ -189,9 +189,7 @@ class KVCopier:
                 view.scatter(step.index.narrow(0, first, count), pages)
                 first += count
             return
-        staging = torch.empty(
-            len(step.index) * self._page_bytes, dtype=torch.uint8, device=self._device
-        )
+        staging = torch.empty(len(step.index) * self._page_bytes, dtype=torch.uint8, device=self._device)
         first = 0
         for part in parts:
             staging.narrow(0, first, len(part)).copy_(part, non_blocking=True)

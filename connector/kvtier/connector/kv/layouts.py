@@ -162,22 +162,16 @@ class KVContent:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ConfigError(
-                f"KV content family must be one of {', '.join(FAMILIES)}, got {self.family!r}"
-            )
+            raise ConfigError(f"KV content family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         for name in ("heads", "tokens", "head_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"KVContent.{name} must be >= 1, got {getattr(self, name)}")
         if (self.family == "mla") != (self.head_size_v == 0) or self.head_size_v < 0:
-            raise ConfigError(
-                f"KVContent: head_size_v={self.head_size_v} does not fit {self.family!r}"
-            )
+            raise ConfigError(f"KVContent: head_size_v={self.head_size_v} does not fit {self.family!r}")
         if self.family == "cpu" and self.head_size_v != self.head_size:
             raise ConfigError("KVContent: CPU_ATTN stores K and V of one head size")
         if self.dtype not in DTYPE_SIZES:
-            raise ConfigError(
-                f"KVContent.dtype must be one of {', '.join(DTYPE_SIZES)}, got {self.dtype!r}"
-            )
+            raise ConfigError(f"KVContent.dtype must be one of {', '.join(DTYPE_SIZES)}, got {self.dtype!r}")
 
     @property
     def width(self) -> int:
