@@ -81,6 +81,20 @@ def step(new: list[tuple[Any, list[int], int, int]]) -> Any:
     )
 
 
+def cached_step(reqs: dict[str, tuple[int, int]]) -> Any:
+    """A scheduler output of running requests: req_id -> (computed, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(reqs),
+            resumed_req_ids=set(),
+            new_block_ids=[None] * len(reqs),
+            num_computed_tokens=[c for c, _ in reqs.values()],
+        ),
+        num_scheduled_tokens={r: s for r, (_, s) in reqs.items()},
+    )
+
+
 def test_hit_is_whole_chunks_and_one_lookup() -> None:
     tier = FakeTier(held=2)
     scheduler, recorder = make_scheduler(tier)
@@ -211,14 +225,7 @@ def test_chunked_prefill_saves_each_chunk_once_when_complete() -> None:
     ids = list(range(8))
     scheduler.update_state_after_alloc(req, blocks(ids), 0)
     first = scheduler.build_connector_meta(step([(req, ids, 0, 300)]))
-    cached = SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[300]
-        ),
-        num_scheduled_tokens={"r": 700},
-    )
-    second = scheduler.build_connector_meta(cached)
+    second = scheduler.build_connector_meta(cached_step({"r": (300, 700)}))
     assert [s.block_ids for s in first.saves] == [(0, 1)]
     assert [s.block_ids for s in second.saves] == [(2, 3), (4, 5)]
 
@@ -265,33 +272,12 @@ def test_blocks_a_load_left_unfilled_are_saved_again_once_recomputed() -> None:
     assert [s.block_ids for s in first.saves] == [(14, 15)]  # chunk 2
 
     scheduler.blocks_failed({13, 99})  # chunk 1's second block; 99 is no request's
-    again = SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=["r"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[256]
-        ),
-        num_scheduled_tokens={"r": 744},
-    )
-    recomputed = scheduler.build_connector_meta(again)
+    recomputed = scheduler.build_connector_meta(cached_step({"r": (256, 744)}))
 
     assert recomputed.loads == []
     assert [s.block_ids for s in recomputed.saves] == [(12, 13), (14, 15)]  # chunks 1 and 2
     ext_again, _ = scheduler.get_num_new_matched_tokens(req, 0)  # preempted, rescheduled
     assert ext_again == 256
-
-
-def cached_step(reqs: dict[str, tuple[int, int]]) -> Any:
-    """A scheduler output of running requests: req_id -> (computed, scheduled)."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=list(reqs),
-            resumed_req_ids=set(),
-            new_block_ids=[None] * len(reqs),
-            num_computed_tokens=[c for c, _ in reqs.values()],
-        ),
-        num_scheduled_tokens={r: s for r, (_, s) in reqs.items()},
-    )
 
 
 @pytest.mark.parametrize("steps_ahead", [0, 1])

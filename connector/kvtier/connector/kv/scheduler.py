@@ -171,7 +171,7 @@ class KvtierScheduler:
 
         The worker stored none of the chunks of that step and of the steps planned since:
         they are planned again. A request holding one of the blocks saves nothing from that
-        block's chunk on until vLLM is seen recomputing it from there (``_plan``): vLLM
+        block's chunk on until vLLM is seen recomputing it from there (``_recomputing``): vLLM
         recomputes the request whose load failed, but a request that shared the block
         through vLLM's prefix cache in a step planned before vLLM saw the failure
         (asynchronous scheduling) keeps what it computed on it, and is never saved from
@@ -267,7 +267,9 @@ class KvtierScheduler:
             return found
         # Every end a later call may take (a preempted request has more tokens), at most
         # ``found`` chunks: the chunks from the shortest one's window on.
-        first = min(self._groups[g].first_kept(self._usable(found, num_tokens)) for g in others)
+        first = min(
+            self._groups[g].first_kept(self._usable(found, num_tokens)) for g in others
+        )
         needed = [k[g][0] for k in keys[first // self._chunk : found] for g in others]
         if self._lookup(needed) == len(needed):
             return found
