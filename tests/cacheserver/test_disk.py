@@ -15,7 +15,7 @@ import pytest
 import xxhash
 
 from kvtier.cacheserver import record
-from kvtier.cacheserver.disk import DiskTier
+from kvtier.cacheserver.disk import DiskTier, _Retirer
 from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
 from kvtier.proto import localwire
 
@@ -129,6 +129,87 @@ async def test_read_buffers_stay_within_their_bound(tmp_path: Path) -> None:
     held = [await tier.get(f"k{i}".encode()) for i in range(6)]
     assert sum(map(len, tier._read_buffers._kept)) <= 5 << 20
     assert [bytes(v[:1]) for v in held if v is not None] == [bytes([i]) for i in range(6)]
+
+
+def descriptors_of_removed_files(directory: Path) -> list[str]:
+    """This process's open descriptors of files under ``directory`` that have no name any
+    more (a record renamed over or unlinked, its space still held)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(directory)) and target.endswith(" (deleted)"):
+                found.append(target)
+    return found
+
+
+async def test_records_replaced_deleted_or_evicted_go_at_once_and_their_space_by_close(
+    tmp_path: Path,
+) -> None:
+    """A record a write replaced, or a delete or an eviction removed, is freed behind the
+    writes (``_Retirer``): its name goes at once (a Get, a restart see only the new state),
+    its space within ``RETIRE_BYTES``, and all of it by ``close``."""
+    tier = await opened(tmp_path, capacity=8 << 20)
+    tier._retirer.limit = 3 << 20
+    for round_ in range(6):  # every key replaced five times
+        for i in range(4):
+            assert await tier.put(b"k%d" % i, bytes([round_]) * (1 << 20))
+        assert tier._retirer.pending <= 3 << 20
+    assert [bytes((await tier.get(b"k%d" % i) or b"")[:1]) for i in range(4)] == [b"\x05"] * 4
+    assert await tier.delete([b"k0"]) == 1
+    assert await tier.get(b"k0") is None
+    for i in range(8):  # 8 MiB of new keys: evicts k1-k3 and the first of these
+        assert await tier.put(b"new%d" % i, bytes([i]) * (1 << 20) + b"x")
+    assert await tier.get(b"k1") is None
+    assert len(files(tmp_path)) == tier.usage().entries == 7
+    assert sum(p.stat().st_size for p in files(tmp_path)) == tier.usage().used_bytes
+    assert tier._retirer.pending <= 3 << 20
+
+    await tier.close()
+    assert tier._retirer.pending == 0
+    assert descriptors_of_removed_files(tmp_path) == []
+    again = await opened(tmp_path)  # a restart finds exactly the live records
+    assert again.usage().entries == 7
+    got = await again.get(b"new7")
+    assert got is not None and bytes(got) == bytes([7]) * (1 << 20) + b"x"
+
+
+def test_retired_records_wait_within_their_bound_beyond_it_and_after_close_go_at_once(
+    tmp_path: Path,
+) -> None:
+    retirer = _Retirer(limit=0)
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(b"x" * 4096)
+        paths.append(path)
+
+    held = retirer.hold(paths[0])
+    assert held is not None and retirer.hold(tmp_path / "none") is None
+    paths[0].unlink()
+    assert len(descriptors_of_removed_files(tmp_path)) == 1  # unlinked, still held
+    retirer.retire(held)  # 4 KiB over a bound of 0: closed here, no thread started
+    assert retirer.pending == 0 and retirer._thread is None
+    assert descriptors_of_removed_files(tmp_path) == []
+
+    retirer.limit = 1 << 20
+    for path in paths[1:]:
+        fd = retirer.hold(path)
+        assert fd is not None
+        path.unlink()
+        retirer.retire(fd)
+        assert retirer.pending <= 1 << 20
+    retirer.drain()
+    assert retirer.pending == 0 and descriptors_of_removed_files(tmp_path) == []
+
+    retirer.close()
+    late = tmp_path / "late"
+    late.write_bytes(b"y")
+    fd = retirer.hold(late)
+    assert fd is not None
+    late.unlink()
+    retirer.retire(fd)  # closed: at once
+    assert descriptors_of_removed_files(tmp_path) == []
 
 
 # -- open_record: a same-node client reads the record file itself ----------------------
