@@ -44,12 +44,10 @@ never sees the old record); only its space comes back later, at most
 ``RETIRE_BYTES`` behind, and all of it before a write is given up for a full
 filesystem (the write is tried again first) and at ``close``.
 
-A Get reads its record into a buffer of ``_ReadBuffers``: one an earlier Get of the same
-size read into, once nothing holds that value any more (sent, dropped), else a new one.
-Memory the kernel has to allocate and zero costs more than the read itself on these
-machines (a 64 MiB record: 0.85 GB/s into new memory, 2.3 GB/s into memory touched
-before: docs/benchmarks.md, "Redis tier against redis-py, disk tier against plain
-files"). At most ``READ_BUFFER_BYTES`` of such buffers are kept, outside ``--ram-bytes``.
+A Get reads its record into a buffer of ``ReadBuffers`` (``kvtier.cacheserver.readbuffers``,
+shared with the Redis tier): one an earlier Get of the same size read into, once nothing
+holds that value any more (sent, dropped), else a new one; new memory costs more than
+the read itself.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ import hashlib
 import logging
 import os
 import secrets
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -70,48 +67,14 @@ from pathlib import Path
 from kvtier.cacheserver import record
 from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
 from kvtier.cacheserver.lru import ByteLru
+from kvtier.cacheserver.readbuffers import ReadBuffers
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 from kvtier.proto import localwire
 
 logger = logging.getLogger(__name__)
 
 _HEAD_READ = record.HEADER_SIZE + 512  # header + the longest namespaced key
-READ_BUFFER_BYTES = 256 << 20  # read buffers kept for reuse, at most
-READ_BUFFER_MIN = 1 << 20  # smaller records: glibc reuses their memory by itself
 RETIRE_BYTES = 64 << 20  # records replaced or removed whose space may come back later, at most
-
-
-class _ReadBuffers:
-    """Buffers Gets read records into, each reused once nothing else holds it (thread-safe:
-    reads run in worker threads). A value handed out is a view of its buffer, and a view
-    keeps a reference to it, so a buffer whose only references are this pool's is not
-    being sent, promoted or held by anybody: its bytes may be overwritten."""
-
-    def __init__(self, limit: int = READ_BUFFER_BYTES) -> None:
-        self.limit = limit
-        self.reused = 0
-        self._kept: list[bytearray] = []  # oldest first
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> bytearray:
-        if size < READ_BUFFER_MIN or size > self.limit:
-            return bytearray(size)
-        with self._lock:
-            for i in range(len(self._kept)):  # (enumerate's tuple would hold one more)
-                buf = self._kept[i]
-                # References: the list's, ``buf``'s and getrefcount's argument; no one else's.
-                if len(buf) == size and sys.getrefcount(buf) == 3:
-                    del self._kept[i]
-                    self._kept.append(buf)
-                    self.reused += 1
-                    return buf
-        fresh = bytearray(size)  # outside the lock: new memory costs page faults
-        with self._lock:
-            self._kept.append(fresh)
-            kept = sum(map(len, self._kept))
-            while kept > self.limit:  # forgotten, not freed: whoever holds it still may
-                kept -= len(self._kept.pop(0))
-        return fresh
 
 
 class _Retirer:
@@ -207,7 +170,7 @@ class DiskTier:
         # Keys whose file is being written (indexed already, renamed into place at the end).
         self._writing: dict[bytes, asyncio.Task[bool]] = {}
         self._writes_done = 0
-        self._read_buffers = _ReadBuffers()
+        self._read_buffers = ReadBuffers()
         self._retirer = _Retirer()
 
     # -- start-up -----------------------------------------------------------------
@@ -498,7 +461,7 @@ def _close_opened(opening: asyncio.Future[record.RecordFile]) -> None:
         opening.result().close()
 
 
-def _read_file(path: Path, buffers: _ReadBuffers, out: list[memoryview]) -> None:
+def _read_file(path: Path, buffers: ReadBuffers, out: list[memoryview]) -> None:
     """Appends to ``out`` the whole record at ``path``, read into a buffer of ``buffers``
     (its first bytes, if the file is shorter than its size said: the record's length
     check catches that)."""

@@ -1,4 +1,6 @@
-"""The Redis tier: values in a Redis server or a Redis Cluster, through ``redis.asyncio``.
+"""The Redis tier: values in a Redis server or a Redis Cluster, through ``redis.asyncio``
+and, for the values themselves on a standalone server without TLS, a client of the
+tier's own (``kvtier.cacheserver.redis_bulk``: no copy of a value in Python).
 
 Where the tier connects is one URL::
 
@@ -55,8 +57,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import ConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -76,17 +79,23 @@ from kvtier.cacheserver import record
 from kvtier.cacheserver.errors import SettingsError, TierFailure
 from kvtier.cacheserver.namespace import tenant_of
 from kvtier.cacheserver.record import CorruptRecord
+from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError
 from kvtier.cacheserver.redis_quota import TenantLedger
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 KEY_PREFIX = b"kvtier:v1:"
 MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
+# Threads of the tier's own client (``redis_bulk``): calls in flight at once, each on a
+# connection of its own; a paused Redis holds each for up to ``timeout_s``.
+BULK_THREADS = 16
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
-# Everything redis-py raises for a failed call (RedisClusterException is not a RedisError).
-_REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
+# Everything redis-py or the tier's own client (``redis_bulk``) raises for a failed call
+# (RedisClusterException is not a RedisError; the own client's are OSErrors but for one).
+_REDIS_ERRORS = (RedisError, RedisClusterException, OSError, RedisReplyError)
 
 
 class RedisTier:
@@ -142,34 +151,29 @@ class RedisTier:
             )
         self.cluster = scheme.endswith("+cluster")
         self._client: Redis | RedisCluster
+        # Values go through the tier's own client where it can (``redis_bulk``).
+        self._bulk: BulkClient | None = None
+        self._threads: ThreadPoolExecutor | None = None
         if self.cluster:
             self._client = _cluster_client(url, tls, options)
             self._db = 0
         else:
-            self._client, self._db = _standalone_client(url, options)
+            self._client, kwargs = _standalone_client(url, options)
+            self._db = int(kwargs.get("db", 0) or 0)
+            if not tls:
+                self._bulk = BulkClient.from_url_kwargs(kwargs, timeout_s)
+                self._threads = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvtier-redis")
         self.ledger = TenantLedger(self._client, tenant_quota_bytes) if tenant_quota_bytes else None
 
     # --- the Tier protocol ---------------------------------------------------
 
     async def get(self, key: bytes) -> bytes | memoryview | None:
         try:
-            # decode_responses is off: replies are bytes.
-            if self.ledger is None:
-                blob = cast(bytes | None, await self._client.get(KEY_PREFIX + key))
-            else:  # one round trip: the value, and its key marked used on the ledger
-                async with self._client.pipeline(transaction=False) as pipe:
-                    pipe.get(KEY_PREFIX + key)
-                    self.ledger.touch(pipe, tenant_of(key), key)
-                    blob = cast(bytes | None, (await pipe.execute())[0])
+            value = await self._fetch(key)
         except _REDIS_ERRORS as exc:
             raise _failure("GET", exc) from exc
-        self._maybe_refresh_stats()
-        if blob is None:
-            self.counters.miss(key)
-            return None
-        try:
-            value = record.decode(key, blob)
         except CorruptRecord as exc:
+            self._maybe_refresh_stats()
             self.counters.verification_failures += 1
             self.counters.miss(key)
             logger.warning("redis tier: deleted a record that failed verification (%s)", exc)
@@ -177,6 +181,10 @@ class RedisTier:
                 await self._client.delete(KEY_PREFIX + key)
             except _REDIS_ERRORS as del_exc:
                 raise _failure("DEL", del_exc) from del_exc
+            return None
+        self._maybe_refresh_stats()
+        if value is None:
+            self.counters.miss(key)
             return None
         self.counters.hit(key)
         return value
@@ -186,8 +194,7 @@ class RedisTier:
         return [n == 1 for n in found]
 
     async def put(self, key: bytes, value: bytes | memoryview) -> bool:
-        head = record.header(key, value)
-        size = len(head) + memoryview(value).nbytes
+        size = record.HEADER_SIZE + len(key) + memoryview(value).nbytes
         capacity = self._usage.capacity_bytes
         if size > MAX_RECORD_BYTES or (capacity and size > capacity):
             return False
@@ -195,14 +202,17 @@ class RedisTier:
             return False
         victims = await self._charge(key, size)
         try:
-            await self._client.set(KEY_PREFIX + key, head + value, ex=self.ttl_s or None)
-        except OutOfMemoryError:
-            logger.debug("redis tier: Redis is full and does not evict; value not stored")
-            await self._discharge_quietly(key)
-            return False
+            if self._bulk is not None:
+                stored = await self._in_thread(self._bulk_set, key, value)
+            else:
+                stored = await self._redis_py_set(key, value)
         except _REDIS_ERRORS as exc:
             await self._discharge_quietly(key)
             raise _failure("SET", exc) from exc
+        if not stored:
+            logger.debug("redis tier: Redis is full and does not evict; value not stored")
+            await self._discharge_quietly(key)
+            return False
         if self.ledger is not None:
             await self._evict(key, victims)
         self._maybe_refresh_stats()
@@ -242,9 +252,53 @@ class RedisTier:
             self._stats_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats_task
+        if self._bulk is not None:
+            self._bulk.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
         await self._client.aclose()
 
     # --- internals -----------------------------------------------------------
+
+    async def _fetch(self, key: bytes) -> memoryview | None:
+        """The value of ``key``, its record checked (``CorruptRecord``); None when unset."""
+        if self._bulk is not None and self.ledger is None:
+            return await self._in_thread(self._bulk_fetch, key)
+        # decode_responses is off: replies are bytes.
+        if self.ledger is None:
+            blob = cast(bytes | None, await self._client.get(KEY_PREFIX + key))
+        else:  # one round trip: the value, and its key marked used on the ledger
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.get(KEY_PREFIX + key)
+                self.ledger.touch(pipe, tenant_of(key), key)
+                blob = cast(bytes | None, (await pipe.execute())[0])
+        return None if blob is None else record.decode(key, blob)
+
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        assert self._threads is not None
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def _bulk_fetch(self, key: bytes) -> memoryview | None:
+        """``_fetch`` on the tier's own client, in a worker thread: the reply received and
+        its record checked there, off the event loop."""
+        assert self._bulk is not None
+        blob = self._bulk.get(KEY_PREFIX + key)
+        return None if blob is None else record.decode(key, blob)
+
+    def _bulk_set(self, key: bytes, value: bytes | memoryview) -> bool:
+        """``SET`` of ``key``'s record on the tier's own client, in a worker thread (the
+        record's checksum computed there too); False when Redis is full."""
+        assert self._bulk is not None
+        return self._bulk.set(KEY_PREFIX + key, (record.header(key, value), value), self.ttl_s)
+
+    async def _redis_py_set(self, key: bytes, value: bytes | memoryview) -> bool:
+        try:
+            await self._client.set(
+                KEY_PREFIX + key, record.header(key, value) + value, ex=self.ttl_s or None
+            )
+        except OutOfMemoryError:
+            return False
+        return True
 
     async def _charge(self, key: bytes, size: int) -> list[bytes]:
         """Charges a record to its tenant (with a quota); returns the tenant's keys to evict."""
@@ -342,7 +396,8 @@ def _failure(op: str, exc: BaseException) -> TierFailure:
     return TierFailure("redis", f"{op} failed ({type(exc).__name__})")
 
 
-def _standalone_client(url: str, options: dict[str, Any]) -> tuple[Redis, int]:
+def _standalone_client(url: str, options: dict[str, Any]) -> tuple[Redis, dict[str, Any]]:
+    """redis-py's client for a standalone server, and what it was made from."""
     try:
         kwargs: dict[str, Any] = dict(parse_url(url))
     except ValueError as exc:
@@ -355,7 +410,7 @@ def _standalone_client(url: str, options: dict[str, Any]) -> tuple[Redis, int]:
     # in the pool); none on a timeout, which would only double the wait.
     kwargs["retry"] = Retry(NoBackoff(), retries=1, supported_errors=(RedisConnectionError,))
     pool = ConnectionPool(**kwargs)
-    return Redis.from_pool(pool), int(kwargs.get("db", 0) or 0)
+    return Redis.from_pool(pool), kwargs
 
 
 def _cluster_client(url: str, tls: bool, options: dict[str, Any]) -> RedisCluster:

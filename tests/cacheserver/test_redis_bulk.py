@@ -1,0 +1,263 @@
+"""The Redis tier's own client for values (``redis_bulk``) against real redis-server processes.
+
+The tier's behaviour through it (passwords, databases, TTLs, a full Redis, faults) is
+tested in ``test_redis_tier.py``, which runs on it for every ``redis://`` and ``unix://``
+URL; these tests pin what is its own: the bytes on the wire, replies received in pieces
+into buffers that are reused only once free, connections that are never reused after a
+failure, and which URLs use it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvtier.cacheserver.readbuffers import ReadBuffers
+from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError, SetupRefused
+from kvtier.cacheserver.redis_tier import KEY_PREFIX, RedisTier
+from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
+
+MiB = 1 << 20
+
+
+def raw(server: RedisServer) -> redis.Redis:
+    return redis.Redis(unix_socket_path=str(server.unix_socket), password=server.password)
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[BulkClient]:
+    c = BulkClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0)
+    yield c
+    c.close()
+
+
+def test_set_from_several_parts_stores_them_joined(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    parts = (b"head:", bytearray(b"\x00\r\n$-1\r\n" * 3), memoryview(os.urandom(3 * MiB + 7)))
+    assert client.set(b"k", parts)
+    assert raw(redis_server).get(b"k") == b"".join(bytes(p) for p in parts)
+
+
+def test_get_reads_a_value_received_in_many_pieces(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    value = os.urandom(64 * MiB + 3)
+    raw(redis_server).set(b"big", value)
+    got = client.get(b"big")
+    assert got is not None and got.nbytes == len(value) and got == value
+
+
+@pytest.mark.parametrize("value", [b"", b"x", b"\r\n", b"$5\r\nhello\r\n"])
+def test_short_and_protocol_like_values_round_trip(client: BulkClient, value: bytes) -> None:
+    assert client.set(b"k", (value,))
+    got = client.get(b"k")
+    assert got is not None and bytes(got) == value
+
+
+def test_get_of_a_missing_key_is_none(client: BulkClient) -> None:
+    assert client.get(b"nobody") is None
+
+
+def test_set_with_ex_sets_the_expiry(client: BulkClient, redis_server: RedisServer) -> None:
+    assert client.set(b"k", (b"v",), ex=100)
+    assert 0 < raw(redis_server).ttl(b"k") <= 100
+
+
+def test_error_reply_raises_and_leaves_the_connection_usable(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    raw(redis_server).rpush(b"list", b"a")
+    with pytest.raises(RedisReplyError) as err:
+        client.get(b"list")
+    assert err.value.code == "WRONGTYPE"
+    client.set(b"k", (b"v",))
+    assert client.get(b"k") == b"v"
+    assert len(client._idle) == 1  # the one connection, kept through the error
+
+
+def test_a_value_still_held_is_never_overwritten_by_the_next_get(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    a, b = os.urandom(2 * MiB), os.urandom(2 * MiB)
+    r = raw(redis_server)
+    r.set(b"a", a)
+    r.set(b"b", b)
+    held = client.get(b"a")
+    assert held is not None
+    for _ in range(3):
+        got_b = client.get(b"b")
+        assert got_b == b
+        del got_b  # freed: its buffer may be reused by the next Get
+    assert held == a  # the held view's buffer was never handed out again
+    assert client.buffers.reused >= 2
+
+
+def test_buffers_of_freed_values_are_reused(redis_server: RedisServer) -> None:
+    buffers = ReadBuffers()
+    c = BulkClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0, buffers=buffers)
+    try:
+        raw(redis_server).set(b"k", os.urandom(4 * MiB))
+        for _ in range(4):
+            assert c.get(b"k") is not None
+        assert buffers.reused == 3
+    finally:
+        c.close()
+
+
+def test_concurrent_calls_from_threads_each_get_their_own_value(client: BulkClient) -> None:
+    values = {b"k%d" % i: os.urandom(MiB + i) for i in range(8)}
+    errors: list[BaseException] = []
+
+    def worker(key: bytes) -> None:
+        try:
+            for _ in range(5):
+                assert client.set(key, (values[key],))
+                got = client.get(key)
+                assert got is not None and got == values[key]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert 1 <= len(client._idle) <= len(values)
+
+
+def test_a_connection_the_server_dropped_is_replaced_once_transparently(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    client.set(b"k", (b"v",))
+    assert raw(redis_server).client_kill_filter(_type="normal", skipme=True) >= 1
+    assert client.get(b"k") == b"v"  # the stale pooled connection failed; a new one answered
+
+
+def test_restarted_server_is_served_by_new_connections(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    client.set(b"k", (b"v",))
+    redis_server.restart()  # a standalone server comes back empty
+    assert client.get(b"k") is None
+    assert client.set(b"k", (b"w",)) and client.get(b"k") == b"w"
+
+
+def test_a_timed_out_connection_is_closed_not_reused(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    client.set(b"k", (b"v",))
+    client.timeout_s = 0.3
+    redis_server.pause()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.get(b"k")
+        assert time.monotonic() - start < 1.0
+        assert client._idle == []  # it may hold the late reply: never reused
+    finally:
+        redis_server.resume()
+    client.set(b"k", (b"w",))  # on a new connection: a reused one would read "v"'s GET reply
+    assert client.get(b"k") == b"w"
+
+
+def test_killed_server_fails_at_once_with_a_connection_error(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    client.set(b"k", (b"v",))
+    redis_server.kill()
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        client.get(b"k")
+    assert time.monotonic() - start < 1.0
+
+
+def test_oom_refusal_returns_false(tmp_path: Path) -> None:
+    server = RedisServer.start(
+        tmp_path / "r", config={"maxmemory": "2mb", "maxmemory-policy": "noeviction"}
+    )
+    c = BulkClient(host="127.0.0.1", port=server.port, timeout_s=5.0)
+    try:
+        stored = [c.set(b"k%d" % i, (bytes(256 << 10),)) for i in range(16)]
+        assert stored[0] and not stored[-1]
+        assert c.get(b"k0") is not None  # the connection stays usable after -OOM
+    finally:
+        c.close()
+        server.stop()
+
+
+def test_wrong_password_is_refused_at_set_up(tmp_path: Path) -> None:
+    server = RedisServer.start(tmp_path / "r", password="right")
+    c = BulkClient(host="127.0.0.1", port=server.port, password="wrong", timeout_s=5.0)
+    try:
+        with pytest.raises(SetupRefused, match="AUTH"):
+            c.get(b"k")
+    finally:
+        c.close()
+        server.stop()
+
+
+def test_connections_are_named_kvtier(client: BulkClient, redis_server: RedisServer) -> None:
+    client.set(b"k", (b"v",))
+    names = [c["name"] for c in raw(redis_server).client_list()]
+    assert "kvtier" in names
+
+
+def test_closed_client_refuses_calls_and_keeps_no_connection(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    client.set(b"k", (b"v",))
+    client.close()
+    assert client._idle == []
+    with pytest.raises(ConnectionError):
+        client.get(b"k")
+
+
+# --- which URLs the tier uses it for --------------------------------------------------
+
+
+async def test_tier_stores_values_through_it_over_tcp_and_unix_sockets(
+    redis_server: RedisServer,
+) -> None:
+    for url in (redis_server.url, redis_server.unix_url):
+        t = RedisTier(url)
+        try:
+            assert t._bulk is not None
+            value = os.urandom(3 * MiB)
+            assert await t.put(b"key", value)
+            assert await t.get(b"key") == value
+            assert t._bulk._idle  # the value went over the tier's own client's connection
+        finally:
+            await t.close()
+
+
+async def test_tier_on_a_db_number_selects_it_on_its_own_connections(
+    redis_server: RedisServer,
+) -> None:
+    t = RedisTier(redis_server.url + "/3")
+    try:
+        assert await t.put(b"key", b"v")
+    finally:
+        await t.close()
+    assert redis.Redis(port=redis_server.port, db=3).exists(KEY_PREFIX + b"key") == 1
+    assert redis.Redis(port=redis_server.port, db=0).exists(KEY_PREFIX + b"key") == 0
+
+
+async def test_tier_over_tls_or_on_a_cluster_stays_on_redis_py(
+    redis_tls: RedisServer, tls_files: TlsFiles, redis_cluster: RedisClusterProcs
+) -> None:
+    tls = RedisTier(redis_tls.tls_url, tls_ca_file=str(tls_files.ca))
+    cluster = RedisTier(redis_cluster.url)
+    try:
+        assert tls._bulk is None and cluster._bulk is None
+        assert await tls.put(b"key", b"v") and await tls.get(b"key") == b"v"
+    finally:
+        await tls.close()
+        await cluster.close()
