@@ -20,7 +20,7 @@ import redis
 
 from kvtier.cacheserver.readbuffers import ReadBuffers
 from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError, SetupRefused
-from kvtier.cacheserver.redis_tier import KEY_PREFIX, RedisTier
+from kvtier.cacheserver.redis_tier import BULK_SET_MIN, KEY_PREFIX, RedisTier
 from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 
 MiB = 1 << 20
@@ -220,22 +220,59 @@ def test_closed_client_refuses_calls_and_keeps_no_connection(
         client.get(b"k")
 
 
-# --- which URLs the tier uses it for --------------------------------------------------
+# --- which URLs and values the tier uses it for -------------------------------------
 
 
-async def test_tier_stores_values_through_it_over_tcp_and_unix_sockets(
+async def test_tier_stores_large_values_through_it_over_tcp_and_unix_sockets(
     redis_server: RedisServer,
 ) -> None:
     for url in (redis_server.url, redis_server.unix_url):
         t = RedisTier(url)
         try:
             assert t._bulk is not None
-            value = os.urandom(3 * MiB)
+            value = os.urandom(BULK_SET_MIN)
             assert await t.put(b"key", value)
+            assert len(t._bulk._idle) == 1  # the SET went over the tier's own client
             assert await t.get(b"key") == value
-            assert t._bulk._idle  # the value went over the tier's own client's connection
         finally:
             await t.close()
+
+
+async def test_tier_sets_small_values_through_redis_py_and_gets_them_through_it(
+    redis_server: RedisServer,
+) -> None:
+    t = RedisTier(redis_server.url)
+    try:
+        assert t._bulk is not None
+        assert await t.put(b"key", b"small")
+        assert t._bulk._idle == []  # no connection of its own yet: redis-py sent the SET
+        assert await t.get(b"key") == b"small"
+        assert len(t._bulk._idle) == 1
+    finally:
+        await t.close()
+
+
+async def test_tier_sets_a_ttl_on_large_values_too(redis_server: RedisServer) -> None:
+    t = RedisTier(redis_server.url, ttl_s=100)
+    try:
+        assert await t.put(b"key", bytes(BULK_SET_MIN))
+    finally:
+        await t.close()
+    assert 0 < raw(redis_server).ttl(KEY_PREFIX + b"key") <= 100
+
+
+async def test_tier_put_of_a_large_value_into_a_full_redis_returns_false(tmp_path: Path) -> None:
+    server = RedisServer.start(
+        tmp_path / "r", config={"maxmemory": "12mb", "maxmemory-policy": "noeviction"}
+    )
+    t = RedisTier(server.url)
+    try:
+        stored = [await t.put(b"k%d" % i, bytes(BULK_SET_MIN)) for i in range(4)]
+        assert stored[0] and not stored[-1]
+        assert await t.get(b"k0") == bytes(BULK_SET_MIN)
+    finally:
+        await t.close()
+        server.stop()
 
 
 async def test_tier_on_a_db_number_selects_it_on_its_own_connections(

@@ -1,6 +1,7 @@
 """The Redis tier: values in a Redis server or a Redis Cluster, through ``redis.asyncio``
-and, for the values themselves on a standalone server without TLS, a client of the
-tier's own (``kvtier.cacheserver.redis_bulk``: no copy of a value in Python).
+and, for the values themselves on a standalone server without TLS (every ``GET``, a
+``SET`` from ``BULK_SET_MIN`` up), a client of the tier's own
+(``kvtier.cacheserver.redis_bulk``: no copy of a value in Python).
 
 Where the tier connects is one URL::
 
@@ -91,6 +92,9 @@ MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
 # Threads of the tier's own client (``redis_bulk``): calls in flight at once, each on a
 # connection of its own; a paused Redis holds each for up to ``timeout_s``.
 BULK_THREADS = 16
+# Values this large or larger are SET through the tier's own client; smaller ones through
+# redis-py, whose copies cost less than the thread hop (docs/benchmarks.md).
+BULK_SET_MIN = 4 << 20
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 # Everything redis-py or the tier's own client (``redis_bulk``) raises for a failed call
@@ -202,7 +206,7 @@ class RedisTier:
             return False
         victims = await self._charge(key, size)
         try:
-            if self._bulk is not None:
+            if self._bulk is not None and size >= BULK_SET_MIN:
                 stored = await self._in_thread(self._bulk_set, key, value)
             else:
                 stored = await self._redis_py_set(key, value)
