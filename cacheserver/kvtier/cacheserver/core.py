@@ -25,10 +25,8 @@ a buffer the core handed out (``receive_buffer``) or any buffer the edge has
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -44,9 +42,6 @@ from kvtier.cacheserver.store import TieredStore
 # tenant; raises Unauthenticated (see kvtier.cacheserver.auth).
 Authenticate = Callable[[str | None], str]
 Value = bytes | memoryview
-# A Get reads at most this many values of its keys ahead of the one it sends, when a
-# lower tier (disk, Redis) holds them: their reads overlap the send and each other.
-READ_AHEAD = 4
 
 
 def no_auth(_authorization: str | None) -> str:
@@ -184,36 +179,11 @@ class RequestCore:
         edge asks for the next one. ``files`` (the same-node edge, for a client that reads
         record files itself): up to that many disk-tier hits are their record files,
         opened (``RecordFile``; the edge closes them), later ones values."""
-        hits = misses = 0
-        spare_files = files  # record files that may still be asked for
-        ahead: deque[tuple[asyncio.Task[Value | RecordFile | None], bool]] = deque()
-        started = 0  # keys whose read has started
-        pending: Awaitable[Value | RecordFile | None] | None = None  # this key's read
+        hits = misses = opened = 0
         try:
             for index, key in enumerate(keys):
-                if ahead:
-                    pending, as_file = ahead.popleft()
-                else:
-                    as_file = spare_files > 0
-                    spare_files -= as_file
-                    pending = self.store.get(scoped(tenant, key), files=as_file)
-                    started = index + 1
-                # Reads of the next keys a lower tier holds start now, before this one is
-                # awaited, and run while it is sent; a key in RAM is read when it is reached.
-                while (
-                    len(ahead) < READ_AHEAD
-                    and started < len(keys)
-                    and not self.store.in_memory(scoped(tenant, keys[started]))
-                ):
-                    ask_file = spare_files > 0
-                    spare_files -= ask_file
-                    next_key = scoped(tenant, keys[started])
-                    ahead.append((asyncio.ensure_future(self.store.get(next_key, files=ask_file)), ask_file))
-                    started += 1
-                value = await pending
-                pending = None
-                if as_file and not isinstance(value, RecordFile):
-                    spare_files += 1  # not a file: another key may have its file
+                value = await self.store.get(scoped(tenant, key), files=opened < files)
+                opened += isinstance(value, RecordFile)
                 if value is None:
                     misses += 1
                     yield index, None
@@ -226,12 +196,6 @@ class RequestCore:
                     value.nbytes if isinstance(value, RecordFile) else memoryview(value).nbytes
                 )
         finally:
-            unsent = [read for read, _ in ahead]  # read ahead, never sent
-            if isinstance(pending, asyncio.Task):  # its wait cancelled: it may still open
-                unsent.append(pending)
-            for read in unsent:
-                read.add_done_callback(_close_unsent)
-                read.cancel()
             self.metrics.get_keys.labels("hit").inc(hits)
             self.metrics.get_keys.labels("miss").inc(misses)
 
@@ -266,11 +230,3 @@ class RequestCore:
         """Counts one answered request (``code``: a gRPC status name, as every edge reports)."""
         self.metrics.requests.labels(op, code).inc()
         self.metrics.latency.labels(op).observe(time.perf_counter() - started)
-
-
-def _close_unsent(read: asyncio.Task[Value | RecordFile | None]) -> None:
-    """Closes the record file a read ahead opened when its Get ended before sending it."""
-    if not read.cancelled() and read.exception() is None:
-        value = read.result()
-        if isinstance(value, RecordFile):
-            value.close()

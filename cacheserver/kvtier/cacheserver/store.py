@@ -207,12 +207,6 @@ class TieredStore:
                     present[i] = True
         return _leading(present, 0)
 
-    def in_memory(self, key: bytes) -> bool:
-        """Whether a ``get`` of ``key`` needs no lower tier: there is none, or the RAM
-        tier holds it (a Get reads values ahead only from lower tiers)."""
-        top = self.tiers[0]
-        return len(self.tiers) == 1 or (isinstance(top, RamTier) and key in top.lru)
-
     async def get(self, key: bytes, *, files: bool = False) -> bytes | memoryview | RecordFile | None:
         """The newest value of ``key``, or None. ``files``: a hit in a tier that keeps
         values in files (the disk tier) is that record's file, opened, not read (the
