@@ -9,7 +9,9 @@ failure, and which URLs use it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.readbuffers import ReadBuffers
 from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError, SetupRefused
 from kvtier.cacheserver.redis_tier import BULK_SET_MIN, KEY_PREFIX, RedisTier
@@ -141,6 +144,26 @@ def test_a_connection_the_server_dropped_is_replaced_once_transparently(
     assert client.get(b"k") == b"v"  # the stale pooled connection failed; a new one answered
 
 
+def test_restarted_server_is_served_at_once_however_many_connections_were_idle(
+    client: BulkClient, redis_server: RedisServer
+) -> None:
+    held = threading.Barrier(6)
+
+    def hold_one() -> None:  # six calls at once: six connections, then idle
+        held.wait()
+        assert client.set(b"k", (b"v",))
+
+    threads = [threading.Thread(target=hold_one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(client._idle) >= 2
+    redis_server.restart()
+    assert client.get(b"k") is None  # the first stale one failed: all dropped, a new one
+    assert len(client._idle) == 1
+
+
 def test_restarted_server_is_served_by_new_connections(
     client: BulkClient, redis_server: RedisServer
 ) -> None:
@@ -166,6 +189,73 @@ def test_a_timed_out_connection_is_closed_not_reused(
         redis_server.resume()
     client.set(b"k", (b"w",))  # on a new connection: a reused one would read "v"'s GET reply
     assert client.get(b"k") == b"w"
+
+
+class Peer:
+    """A listener on 127.0.0.1 that answers each connection with ``answer`` (a
+    misbehaving Redis: one that hangs up, or trickles a reply)."""
+
+    def __init__(self, answer) -> None:  # type: ignore[no-untyped-def]
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.answer = answer
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.listener.accept()
+                with conn, contextlib.suppress(OSError):
+                    self.answer(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_server_that_hangs_up_during_set_up_is_a_connection_error() -> None:
+    def hang_up(conn: socket.socket) -> None:
+        conn.recv(1024)  # CLIENT SETNAME, unanswered
+
+    peer = Peer(hang_up)
+    c = BulkClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
+    try:
+        with pytest.raises(ConnectionError):
+            c.get(b"k")
+    finally:
+        c.close()
+        peer.close()
+
+
+def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it() -> None:
+    def trickle(conn: socket.socket) -> None:
+        conn.recv(1024)
+        conn.sendall(b"+OK\r\n")  # CLIENT SETNAME
+        conn.recv(1024)
+        conn.sendall(b"$100\r\n")
+        for _ in range(100):  # a byte every 50 ms: each step is quick, the whole is not
+            time.sleep(0.05)
+            conn.sendall(b"x")
+
+    peer = Peer(trickle)
+    c = BulkClient(host="127.0.0.1", port=peer.port, timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            c.get(b"k")
+        assert time.monotonic() - start < 1.0
+        assert c._idle == []
+    finally:
+        c.close()
+        peer.close()
+
+
+def test_an_empty_password_sends_no_auth(redis_server: RedisServer) -> None:
+    c = BulkClient(host="127.0.0.1", port=redis_server.port, password="", timeout_s=5.0)
+    try:
+        assert c.set(b"k", (b"v",)) and c.get(b"k") == b"v"
+    finally:
+        c.close()
 
 
 def test_killed_server_fails_at_once_with_a_connection_error(
@@ -273,6 +363,15 @@ async def test_tier_put_of_a_large_value_into_a_full_redis_returns_false(tmp_pat
     finally:
         await t.close()
         server.stop()
+
+
+async def test_tier_closed_fails_calls_as_tier_failures(redis_server: RedisServer) -> None:
+    t = RedisTier(redis_server.url)
+    await t.close()
+    with pytest.raises(TierFailure):
+        await t.get(b"key")
+    with pytest.raises(TierFailure):
+        await t.put(b"key", bytes(BULK_SET_MIN))
 
 
 async def test_tier_on_a_db_number_selects_it_on_its_own_connections(

@@ -16,19 +16,23 @@ picks it: every ``GET``, and ``SET`` of records from ``BULK_SET_MIN``, 4 MiB, up
 smaller ``SET`` costs less in redis-py than the hop to a worker thread); the rest of the tier's commands (``EXISTS``, ``DEL``, ``INFO``, the quota
 ledger's scripts) stay on redis-py, as do Cluster and TLS.
 
-Connections: a pool of idle ones; a call takes one (or connects: ``AUTH``, ``SELECT``,
-``CLIENT SETNAME kvtier`` in one round trip) and gives it back after a whole reply.
-Every socket step (connect, each send and receive) is bounded by ``timeout_s``, as
-redis-py's ``socket_timeout``. A connection that failed in any way, or timed out, is
-closed, never reused: it may hold half a reply. A call that fails with a broken
-connection taken from the pool (a restarted server leaves stale ones) is tried once
-more on a new connection, as redis-py's retry does; a timeout is not retried.
+Connections: a pool of idle ones; a call takes one (or connects: ``AUTH`` when there is
+a password, ``SELECT`` when the database is not 0, ``CLIENT SETNAME kvtier``) and gives
+it back after a whole reply. A call, the connecting and the whole value's transfer
+included, is bounded by ``timeout_s`` (each socket step gets what is left of it). A
+connection that failed in any way, or timed out, is closed, never reused: it may hold
+half a reply. A call that fails with a broken connection taken from the pool (a
+restarted server leaves stale ones) closes every idle connection and is tried once more
+on a new one, as redis-py's retry does; a timeout is not retried. Every failure is an
+``OSError`` (``ConnectionError``, ``TimeoutError``) but a whole error reply from Redis,
+``RedisReplyError``.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,6 +56,10 @@ class RedisReplyError(Exception):
 
 class SetupRefused(ConnectionError):
     """Redis refused a new connection's ``AUTH``, ``SELECT`` or ``CLIENT SETNAME``."""
+
+
+class ClosedByServer(ConnectionError):
+    """Redis closed the connection (a reply cut short, or none at all)."""
 
 
 class ProtocolError(ConnectionError):
@@ -131,21 +139,27 @@ class BulkClient:
 
     # --- connections -----------------------------------------------------------------
 
-    def _call(self, request: list[Buffer], read: Callable[[socket.socket, ReadBuffers], T]) -> T:
+    def _call(
+        self, request: list[Buffer], read: Callable[[socket.socket, ReadBuffers, float], T]
+    ) -> T:
         for attempt in (0, 1):
-            sock, reused = self._take()
+            deadline = time.monotonic() + self.timeout_s
+            sock = self._idle_socket(reuse=attempt == 0)
+            reused = sock is not None
+            if sock is None:
+                sock = self._connect(deadline)
             try:
-                sock.settimeout(self.timeout_s)
-                _send_all(sock, request)
-                reply = read(sock, self.buffers)
+                _send_all(sock, request, deadline)
+                reply = read(sock, self.buffers, deadline)
             except RedisReplyError:
                 self._give_back(sock)  # a whole error reply: the connection is fine
                 raise
-            except (ConnectionError, EOFError) as exc:
+            except ConnectionError:
                 sock.close()
-                if attempt == 0 and reused:
-                    continue  # a stale connection (the server restarted): once more, new
-                raise ConnectionError(type(exc).__name__) from exc
+                if reused:  # a stale connection (the server restarted): the other idle
+                    self._drop_idle()  # ones are as stale; once more, on a new one
+                    continue
+                raise
             except BaseException:
                 sock.close()  # a timeout or anything else: it may hold half a reply
                 raise
@@ -153,13 +167,17 @@ class BulkClient:
             return reply
         raise AssertionError("unreachable")
 
-    def _take(self) -> tuple[socket.socket, bool]:
+    def _idle_socket(self, reuse: bool) -> socket.socket | None:
         with self._lock:
             if self._closed:
                 raise ConnectionError("client closed")
-            if self._idle:
-                return self._idle.pop(), True
-        return self._connect(), False
+            return self._idle.pop() if reuse and self._idle else None
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
@@ -168,24 +186,25 @@ class BulkClient:
                 return
         sock.close()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, deadline: float) -> socket.socket:
         if self.path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.settimeout(self.timeout_s)
+                _arm(sock, deadline)
                 sock.connect(self.path)
             except BaseException:
                 sock.close()
                 raise
         else:
             assert self.host is not None
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = socket.create_connection((self.host, self.port), timeout=_left(deadline))
         try:
+            if self.path is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for command, what in self._hello:  # one at a time: a rare, small round trip
-                _send_all(sock, [command])
+                _send_all(sock, [command], deadline)
                 try:
-                    _read_status(sock, self.buffers)
+                    _read_status(sock, self.buffers, deadline)
                 except RedisReplyError as exc:
                     raise SetupRefused(f"Redis refused {what} ({exc.code})") from None
         except BaseException:
@@ -199,8 +218,9 @@ def _handshake(
 ) -> list[tuple[bytes, str]]:
     """The commands a new connection sends first, each with what it sets up."""
     hello: list[tuple[bytes, str]] = []
-    if password is not None:
-        creds = [username.encode(), password.encode()] if username else [password.encode()]
+    if username or password:  # as redis-py: an empty password sends no AUTH
+        secret = (password or "").encode()
+        creds = [username.encode(), secret] if username else [secret]
         hello.append((_command(b"AUTH", *creds), "AUTH"))
     if db:
         hello.append((_command(b"SELECT", str(db).encode()), "SELECT"))
@@ -215,10 +235,23 @@ def _command(*args: bytes) -> bytes:
     return b"".join(out)
 
 
-def _send_all(sock: socket.socket, parts: list[Buffer]) -> None:
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the Redis call took longer than its timeout")
+    return left
+
+
+def _arm(sock: socket.socket, deadline: float) -> None:
+    """Bounds the socket's next step by what is left of the call's time."""
+    sock.settimeout(_left(deadline))
+
+
+def _send_all(sock: socket.socket, parts: list[Buffer], deadline: float) -> None:
     views = [memoryview(p).cast("B") for p in parts]
     views = [v for v in views if v.nbytes]
     while views:
+        _arm(sock, deadline)
         sent = sock.sendmsg(views[:512])  # (IOV_MAX is 1024)
         while sent and views:
             first = views[0]
@@ -230,15 +263,16 @@ def _send_all(sock: socket.socket, parts: list[Buffer]) -> None:
                 sent = 0
 
 
-def _read_line(sock: socket.socket, into: bytearray) -> tuple[bytes, memoryview]:
+def _read_line(sock: socket.socket, into: bytearray, deadline: float) -> tuple[bytes, memoryview]:
     """Receives until a reply's first line is complete: that line (without CRLF) and the
     bytes received after it."""
     got = 0
     view = memoryview(into)
     while True:
+        _arm(sock, deadline)
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise EOFError("Redis closed the connection")
+            raise ClosedByServer("Redis closed the connection")
         got += n
         end = into.find(_CRLF, 0, got)
         if end >= 0:
@@ -251,8 +285,8 @@ def _error(line: bytes) -> RedisReplyError:
     return RedisReplyError(line[1:].decode("utf-8", "replace"))
 
 
-def _read_status(sock: socket.socket, buffers: ReadBuffers) -> bytes:
-    line, rest = _read_line(sock, bytearray(_HEAD_BYTES))
+def _read_status(sock: socket.socket, buffers: ReadBuffers, deadline: float) -> bytes:
+    line, rest = _read_line(sock, bytearray(_HEAD_BYTES), deadline)
     if line[:1] == b"-":
         raise _error(line)
     if line[:1] != b"+" or rest.nbytes:
@@ -260,8 +294,8 @@ def _read_status(sock: socket.socket, buffers: ReadBuffers) -> bytes:
     return line[1:]
 
 
-def _read_bulk(sock: socket.socket, buffers: ReadBuffers) -> memoryview | None:
-    line, rest = _read_line(sock, bytearray(_HEAD_BYTES))
+def _read_bulk(sock: socket.socket, buffers: ReadBuffers, deadline: float) -> memoryview | None:
+    line, rest = _read_line(sock, bytearray(_HEAD_BYTES), deadline)
     if line[:1] == b"-":
         raise _error(line)
     if line[:1] != b"$":
@@ -282,9 +316,10 @@ def _read_bulk(sock: socket.socket, buffers: ReadBuffers) -> memoryview | None:
     view[: rest.nbytes] = rest
     got = rest.nbytes
     while got < whole:
+        _arm(sock, deadline)
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise EOFError("Redis closed the connection mid-reply")
+            raise ClosedByServer("Redis closed the connection mid-reply")
         got += n
     if view[size:whole] != _CRLF:
         raise ProtocolError("a bulk string reply without its CRLF")

@@ -280,7 +280,10 @@ class RedisTier:
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         assert self._threads is not None
-        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        except RuntimeError as exc:  # its threads are shut down: the tier was closed
+            raise ConnectionError("the Redis tier is closed") from exc
 
     def _bulk_fetch(self, key: bytes) -> memoryview | None:
         """``_fetch`` on the tier's own client, in a worker thread: the reply received and
