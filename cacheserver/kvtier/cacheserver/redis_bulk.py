@@ -133,10 +133,8 @@ class BulkClient:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+            self._closed = True  # connections given back from now on are closed
+        self._drop_idle()
 
     # --- connections -----------------------------------------------------------------
 
