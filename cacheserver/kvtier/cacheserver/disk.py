@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import secrets
@@ -170,6 +171,9 @@ class DiskTier:
         # Keys whose file is being written (indexed already, renamed into place at the end).
         self._writing: dict[bytes, asyncio.Task[bool]] = {}
         self._writes_done = 0
+        # Temporary files' suffixes: unique within this process (the tmp directory is
+        # emptied at start-up); a counter, not a random token (4% of a 1 MiB PUT's CPU).
+        self._tmp_seq = itertools.count()
         self._read_buffers = ReadBuffers()
         self._retirer = _Retirer()
 
@@ -426,7 +430,7 @@ class DiskTier:
 
     def _write(self, key: bytes, fill: Callable[[int], None]) -> None:
         final = self._path(key)
-        tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
+        tmp = self._tmp / f"{final.name}.{next(self._tmp_seq)}"
         # Read-only to its owner too: the tier never writes a record again (it renames over
         # and unlinks), and a same-node client handed its descriptor cannot open it again
         # writable through /proc unless it is root (docs/security.md).
@@ -442,8 +446,13 @@ class DiskTier:
         os.close(fd)
         old = self._retirer.hold(final)  # the record this one replaces is freed behind
         try:
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except FileNotFoundError:
+                # The first record of its directory: directories are made on demand (a
+                # mkdir before every write cost 5% of a 1 MiB PUT's CPU).
+                final.parent.mkdir(exist_ok=True)
+                os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
