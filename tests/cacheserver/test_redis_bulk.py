@@ -357,7 +357,8 @@ async def test_tier_put_of_a_large_value_into_a_full_redis_returns_false(tmp_pat
     )
     t = RedisTier(server.url)
     try:
-        stored = [await t.put(b"k%d" % i, bytes(BULK_SET_MIN)) for i in range(4)]
+        n = (12 << 20) // BULK_SET_MIN + 2  # more than maxmemory holds
+        stored = [await t.put(b"k%d" % i, bytes(BULK_SET_MIN)) for i in range(n)]
         assert stored[0] and not stored[-1]
         assert await t.get(b"k0") == bytes(BULK_SET_MIN)
     finally:

@@ -92,9 +92,11 @@ MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
 # Threads of the tier's own client (``redis_bulk``): calls in flight at once, each on a
 # connection of its own; a paused Redis holds each for up to ``timeout_s``.
 BULK_THREADS = 16
-# Values this large or larger are SET through the tier's own client; smaller ones through
-# redis-py, whose copies cost less than the thread hop (docs/benchmarks.md).
-BULK_SET_MIN = 4 << 20
+# Records this large or larger are SET through the tier's own client; smaller ones through
+# redis-py, whose three copies of a value cost less than the hop to a worker thread only
+# below about a megabyte (docs/benchmarks.md: 1 MiB SETs on 4 clients gained a third when
+# this went from 4 MiB to 1 MiB).
+BULK_SET_MIN = 1 << 20
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 # Everything redis-py or the tier's own client (``redis_bulk``) raises for a failed call
