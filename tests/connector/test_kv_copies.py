@@ -20,7 +20,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ import torch
 from kvtier.connector.chunks.codec import decode_chunk
 from kvtier.connector.kv.layouts import KVContent
 from kvtier.connector.kv.plan import StepPlan
-from kvtier.connector.kv.streams import CopyStreams, InlineStream, ThreadEvent, ThreadStream
+from kvtier.connector.kv.streams import CopyStreams, Event, InlineStream, ThreadEvent, ThreadStream
 from kvtier.testing.kvengine import KVEngine, load_plan, save_plan
 from kvtier.testing.redisprocs import free_port
 from kvtier.testing.tierproc import TierProcess
@@ -357,3 +357,53 @@ def test_an_empty_step_enqueues_nothing_and_returns(
     gate = Gate()  # never opened: any copy would hang the step
     a = engine(tier, engines, streams=gated(gate, gate))
     assert a.step(StepPlan()) == set()
+
+
+class FailingRun:
+    """A copy stream whose ``run`` raises at its ``fail_at``-th call, in the caller, as a
+    CUDA stream does when enqueueing a layer's copies cannot allocate their staging
+    tensor on the device; everything else is ``inner``'s."""
+
+    def __init__(self, inner: ThreadStream, fail_at: int) -> None:
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def run(self, work: Callable[[], object]) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("CUDA out of memory (simulated while enqueueing a layer's copies)")
+        self.inner.run(work)
+
+    def record(self) -> Event:
+        return self.inner.record()
+
+    def wait(self, event: Event) -> None:
+        self.inner.wait(event)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_load_that_fails_half_enqueued_fails_its_blocks_and_every_layer_wait_returns(
+    tier: TierProcess, engines: list[KVEngine]
+) -> None:
+    a = engine(tier, engines)
+    values = a.fill(seed=12)
+    first, second = os.urandom(32), os.urandom(32)
+    saved(a, (first, [0, 1, 2, 3]), (second, [8, 9, 10, 11]))
+    gate = Gate()
+    # run 1 prepares the step's loads, run 2 is layer 0's copies, run 3 layer 1's: it fails.
+    loads = FailingRun(ThreadStream("loads", gate), fail_at=3)
+    b = engine(tier, engines, "LBNHC", CopyStreams(InlineStream(), loads, ThreadStream("saves")))
+
+    opener = threading.Timer(0.3, gate.open)  # the copies enqueued before the failure run late
+    opener.start()
+    try:
+        failed = b.step(load_plan((first, [4, 5, 6, 7])))  # every layer's wait, as vLLM's forward
+    finally:
+        opener.cancel()
+        gate.open()
+
+    assert failed == {4, 5, 6, 7}  # recomputed by vLLM, never read as loaded
+    # The engine goes on: the next step's load lands whole.
+    assert b.step(load_plan((second, [12, 13, 14, 15]))) == set()
+    assert torch.equal(b.blocks([12, 13, 14, 15]), values[:, [8, 9, 10, 11]])

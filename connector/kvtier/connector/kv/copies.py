@@ -119,13 +119,24 @@ class KVCopier:
             return
         step = _Loads(chunks, keep)
         streams = self._streams
-        streams.loads.wait(streams.compute.record())
-        streams.loads.run(lambda: self._prepare_loads(step))
-        for layer in range(len(self._views)):
-            streams.loads.run(functools.partial(self._load_layer, step, layer))
-            self._layer_events.append(streams.loads.record())
+        self._pending.append(step)  # first: copies enqueued before a failure read ``keep`` too
+        try:
+            streams.loads.wait(streams.compute.record())
+            streams.loads.run(lambda: self._prepare_loads(step))
+            for layer in range(len(self._views)):
+                streams.loads.run(functools.partial(self._load_layer, step, layer))
+                self._layer_events.append(streams.loads.record())
+        except BaseException:
+            # Enqueueing failed half-way (a CUDA stream raises in the caller, e.g. when a
+            # layer's staging tensor finds no device memory): the caller fails the blocks.
+            # Every layer's wait then waits for what was enqueued, and ``release`` holds
+            # ``keep`` until that ran (forever, if not even an event can be recorded).
+            self._layer_events = []
+            with contextlib.suppress(Exception):
+                step.done = streams.loads.record()
+                self._layer_events = [step.done] * len(self._views)
+            raise
         step.done = self._layer_events[-1]
-        self._pending.append(step)
 
     def new_step(self) -> None:
         """Forget the last step's load events (its loads are waited for or not needed)."""
@@ -147,7 +158,9 @@ class KVCopier:
         kept, self._free = self._free, []
         still = []
         for step in self._pending:
-            assert step.done is not None
+            if step.done is None:  # enqueued half-way and no event recorded: never known done
+                still.append(step)
+                continue
             if wait:
                 # A failed copy reads nothing more either: its memory is free then too.
                 with contextlib.suppress(Exception):
