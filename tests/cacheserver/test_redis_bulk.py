@@ -9,6 +9,7 @@ failure, and which URLs use it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -23,7 +24,7 @@ import redis
 from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.readbuffers import ReadBuffers
 from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError, SetupRefused
-from kvtier.cacheserver.redis_tier import BULK_SET_MIN, KEY_PREFIX, RedisTier
+from kvtier.cacheserver.redis_tier import BULK_SET_BUSY_MIN, BULK_SET_MIN, KEY_PREFIX, RedisTier
 from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 
 MiB = 1 << 20
@@ -349,6 +350,35 @@ async def test_tier_sets_a_ttl_on_large_values_too(redis_server: RedisServer) ->
     finally:
         await t.close()
     assert 0 < raw(redis_server).ttl(KEY_PREFIX + b"key") <= 100
+
+
+async def test_tier_megabyte_sets_take_the_own_client_only_while_another_set_is_in_flight(
+    redis_server: RedisServer,
+) -> None:
+    t = RedisTier(redis_server.url)
+    own: list[bytes] = []  # keys the tier's own client SET (the real call, observed)
+    real_set = t._bulk_set
+
+    def observed(key: bytes, value: bytes | memoryview) -> bool:
+        own.append(key)
+        return real_set(key, value)
+
+    t._bulk_set = observed  # type: ignore[method-assign]
+    try:
+        alone = os.urandom(BULK_SET_BUSY_MIN)
+        assert await t.put(b"alone", alone)
+        assert own == []  # an idle tier: through redis-py, no thread hop
+        values = [os.urandom(BULK_SET_BUSY_MIN + i) for i in range(4)]
+        stored = await asyncio.gather(*(t.put(b"k%d" % i, v) for i, v in enumerate(values)))
+        assert stored == [True] * 4
+        assert sorted(own) == [b"k1", b"k2", b"k3"]  # each SET after the first found one in flight
+        for i, value in enumerate(values):
+            assert await t.get(b"k%d" % i) == value  # each whole, under its own key
+        assert await t.get(b"alone") == alone
+        assert await t.put(b"big", bytes(BULK_SET_MIN))
+        assert own[-1] == b"big"  # large ones always
+    finally:
+        await t.close()
 
 
 async def test_tier_put_of_a_large_value_into_a_full_redis_returns_false(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ nothing holds the value read into it. ``socket.sendmsg`` and ``recv_into`` relea
 GIL, so a transfer runs beside the event loop, on the other core.
 
 Only standalone servers over TCP or a unix socket without TLS use it (``RedisTier``
-picks it: every ``GET``, and ``SET`` of records from ``BULK_SET_MIN``, 1 MiB, up; a
-smaller ``SET`` costs less in redis-py than the hop to a worker thread); the rest of
+picks it: every ``GET``, and ``SET`` of records from ``BULK_SET_MIN``, 4 MiB, up, or
+from 1 MiB while another ``SET`` is in flight; a smaller ``SET`` on an idle tier costs
+less in redis-py than the hop to a worker thread); the rest of
 the tier's commands (``EXISTS``, ``DEL``, ``INFO``, the quota ledger's scripts) stay on
 redis-py, as do Cluster and TLS.
 

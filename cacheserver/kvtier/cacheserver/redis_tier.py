@@ -1,6 +1,7 @@
 """The Redis tier: values in a Redis server or a Redis Cluster, through ``redis.asyncio``
 and, for the values themselves on a standalone server without TLS (every ``GET``, a
-``SET`` from ``BULK_SET_MIN`` up), a client of the tier's own
+``SET`` from ``BULK_SET_MIN`` up, or from ``BULK_SET_BUSY_MIN`` while another is in
+flight), a client of the tier's own
 (``kvtier.cacheserver.redis_bulk``: no copy of a value in Python).
 
 Where the tier connects is one URL::
@@ -93,10 +94,13 @@ MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
 # connection of its own; a paused Redis holds each for up to ``timeout_s``.
 BULK_THREADS = 16
 # Records this large or larger are SET through the tier's own client; smaller ones through
-# redis-py, whose three copies of a value cost less than the hop to a worker thread only
-# below about a megabyte (docs/benchmarks.md: 1 MiB SETs on 4 clients gained a third when
-# this went from 4 MiB to 1 MiB).
-BULK_SET_MIN = 1 << 20
+# redis-py, whose three copies of a value in Python cost less than the hop to a worker
+# thread and back. From BULK_SET_BUSY_MIN up they go through the own client too while
+# another SET is in flight: then the tier's CPU, not one call's latency, is what limits
+# (docs/benchmarks.md: 1 MiB SETs from 4 clients gained, from 1 client lost, when all of
+# them took the own client).
+BULK_SET_MIN = 4 << 20
+BULK_SET_BUSY_MIN = 1 << 20
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 # Everything redis-py or the tier's own client (``redis_bulk``) raises for a failed call
@@ -160,6 +164,7 @@ class RedisTier:
         # Values go through the tier's own client where it can (``redis_bulk``).
         self._bulk: BulkClient | None = None
         self._threads: ThreadPoolExecutor | None = None
+        self._sets = 0  # SETs in flight
         if self.cluster:
             self._client = _cluster_client(url, tls, options)
             self._db = 0
@@ -207,14 +212,19 @@ class RedisTier:
         if self.ledger is not None and size > self.ledger.quota_bytes:
             return False
         victims = await self._charge(key, size)
+        self._sets += 1  # this one included
         try:
-            if self._bulk is not None and size >= BULK_SET_MIN:
+            if self._bulk is not None and (
+                size >= BULK_SET_MIN or (size >= BULK_SET_BUSY_MIN and self._sets > 1)
+            ):
                 stored = await self._in_thread(self._bulk_set, key, value)
             else:
                 stored = await self._redis_py_set(key, value)
         except _REDIS_ERRORS as exc:
             await self._discharge_quietly(key)
             raise _failure("SET", exc) from exc
+        finally:
+            self._sets -= 1
         if not stored:
             logger.debug("redis tier: Redis is full and does not evict; value not stored")
             await self._discharge_quietly(key)
