@@ -19,11 +19,13 @@ in one direction, the next round in the other.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtier.proto.buffers import POISON_ENV
 from kvtier.testing.contention import busy_count, busy_cpus
 from kvtier.testing.engine import EngineProcess, Output
 from kvtier.testing.redisprocs import free_port
@@ -39,6 +41,20 @@ FULL_CHUNKS = 3
 PROMPTS_PER_ROUND = 3
 ROUNDS = 6
 ENGINE_ARGS = {"max_model_len": 8192}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def poisoned_recycling() -> Iterator[None]:
+    """The tier and the engines (started after this, inheriting the environment) poison
+    every buffer given back (NaN bytes), so a read of one after it was given back changes
+    the outputs or fails a checksum every time, not now and then (kvtier.proto.buffers)."""
+    before = os.environ.get(POISON_ENV)
+    os.environ[POISON_ENV] = "1"
+    yield
+    if before is None:
+        del os.environ[POISON_ENV]
+    else:
+        os.environ[POISON_ENV] = before
 
 
 @pytest.fixture(scope="module")

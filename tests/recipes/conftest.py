@@ -54,10 +54,15 @@ class Engines:
 
 @contextlib.contextmanager
 def two_engines(
-    arch: Architecture, recipes_dir: Path, tier: TierProcess, tag: str = ""
+    arch: Architecture,
+    recipes_dir: Path,
+    tier: TierProcess,
+    tag: str = "",
+    env: dict[str, str] | None = None,
 ) -> Iterator[Engines]:
     """Engines A (zstd chunks) and B (raw) of ``arch`` on ``tier``, stopped at the end
-    (``tag`` keeps their directories apart from other engines of ``arch``)."""
+    (``tag`` keeps their directories apart from other engines of ``arch``; ``env``: more
+    environment variables of both)."""
     model = arch.build(recipes_dir / "models" / arch.page)
     config = {"target": tier.target, "chunk_size": CHUNK, **RELAXED}
     codecs = {"a": "zstd", "b": "raw"}
@@ -76,6 +81,7 @@ def two_engines(
                     ec_extra_config=config,
                     multimodal=True,
                     limit_mm_per_prompt=arch.mm_limits,
+                    env=env,
                     wait=False,
                 )
             )

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.proto.buffers import POISON_ENV
 from kvtier.testing.contention import busy_count, busy_cpus
 from kvtier.testing.tierproc import TierProcess
 from kvtier.testing.tinymodels import prompt_text
@@ -42,7 +43,12 @@ FULL_CHUNKS = 3
 
 @pytest.fixture(scope="module")
 def gemma3(recipes_dir: Path, recipes_tier: TierProcess) -> Iterator[Engines]:
-    with two_engines(BY_PAGE["gemma3"], recipes_dir, recipes_tier, tag="-contention") as e:
+    # Buffers given back are poisoned (NaN bytes): a read of one after it was given back
+    # changes the outputs every time, not now and then (kvtier.proto.buffers).
+    poison = {POISON_ENV: "1"}
+    with two_engines(
+        BY_PAGE["gemma3"], recipes_dir, recipes_tier, tag="-contention", env=poison
+    ) as e:
         yield e
 
 

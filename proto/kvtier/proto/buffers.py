@@ -29,6 +29,14 @@ Rules that keep it correct:
   one size serves the next size that comes. Only values of at least
   ``MIN_BYTES`` are recycled; below that glibc reuses memory by itself.
 
+Debugging a suspected reuse (a buffer read after it was given back): with
+``KVTIER_POISON_RECYCLED=1`` in a process's environment, every buffer its pools keep is
+filled with 0xFF bytes first (a NaN in bfloat16, float16 and float32), so such a read
+sees poison at once instead of, now and then, the next value's bytes. The contention
+tests (tests/e2e/test_vllm_contention.py, tests/recipes/test_contention.py) run their
+engines and tier with it; it costs a write of every recycled byte, so it is off by
+default.
+
 A client's pool can make its buffers with another allocator (``ReceiveBuffers.allocate``):
 the connector's worker on a GPU receives into page-locked (pinned) host memory, which
 the GPU copies from by DMA. Such a buffer is any writable 1-D byte buffer with ``len``
@@ -38,12 +46,14 @@ of another kind given back are not kept, so a pool never mixes the two.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, MutableSequence
 from typing import Any
 
 MIN_BYTES = 1 << 20
+POISON_ENV = "KVTIER_POISON_RECYCLED"
 
 
 class BufferPool:
@@ -86,6 +96,8 @@ class BufferPool:
         if n < MIN_BYTES or n > self.limit or n > room + self.bytes:
             return False
         self.shrink(min(self.limit - n, self.bytes - max(0, n - room)))
+        if os.environ.get(POISON_ENV, "") not in ("", "0"):
+            poison(buf)
         self._free.append(buf)
         self.bytes += n
         return True
@@ -102,6 +114,12 @@ class BufferPool:
 
     def clear(self) -> None:
         self.shrink(0)
+
+
+def poison(buf: Any) -> None:
+    """Fills a buffer with 0xFF bytes (``POISON_ENV``)."""
+    with memoryview(buf) as view, view.cast("B") as flat:
+        flat[:] = b"\xff" * flat.nbytes
 
 
 class ReceiveBuffers:
