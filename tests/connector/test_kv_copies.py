@@ -16,6 +16,7 @@ were enqueued.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -383,17 +384,26 @@ class FailingRun:
         self.inner.close()
 
 
+@pytest.mark.parametrize("fail_at", [1, 3], ids=["at-prepare", "at-layer-1"])
 def test_a_load_that_fails_half_enqueued_fails_its_blocks_and_every_layer_wait_returns(
-    tier: TierProcess, engines: list[KVEngine]
+    tier: TierProcess, engines: list[KVEngine], monkeypatch: pytest.MonkeyPatch, fail_at: int
 ) -> None:
+    # The worker logs the failure with its traceback, whose frames hold the load's values:
+    # pytest's log capture keeps such records for its report (no handler of an engine
+    # does), which would keep the buffer from its pool.
+    monkeypatch.setattr(logging.getLogger("kvtier.connector.kv.worker"), "propagate", False)
     a = engine(tier, engines)
     values = a.fill(seed=12)
     first, second = os.urandom(32), os.urandom(32)
     saved(a, (first, [0, 1, 2, 3]), (second, [8, 9, 10, 11]))
     gate = Gate()
-    # run 1 prepares the step's loads, run 2 is layer 0's copies, run 3 layer 1's: it fails.
-    loads = FailingRun(ThreadStream("loads", gate), fail_at=3)
+    # Run 1 prepares the step's loads (nothing enqueued reads the values when it fails),
+    # run 2 is layer 0's copies, run 3 layer 1's (layer 0's copies are enqueued then).
+    loads = FailingRun(ThreadStream("loads", gate), fail_at=fail_at)
     b = engine(tier, engines, "LBNHC", CopyStreams(InlineStream(), loads, ThreadStream("saves")))
+    warm = b.client.get([first])  # a buffer of the chunks' size, for the load to receive into
+    buffer = id(memoryview(warm[0]).obj)  # type: ignore[arg-type]
+    assert b.client.recycle(warm) == 1
 
     opener = threading.Timer(0.3, gate.open)  # the copies enqueued before the failure run late
     opener.start()
@@ -404,6 +414,13 @@ def test_a_load_that_fails_half_enqueued_fails_its_blocks_and_every_layer_wait_r
         gate.open()
 
     assert failed == {4, 5, 6, 7}  # recomputed by vLLM, never read as loaded
+    # The load's buffer is given back once the copies enqueued before the failure ran:
+    # by the next step (the layer waits above waited for them), and a Get of that size
+    # then receives into it.
+    assert b.step(StepPlan()) == set()
+    (again,) = b.client.get([second])
+    assert again is not None and id(memoryview(again).obj) == buffer
+    del again
     # The engine goes on: the next step's load lands whole.
     assert b.step(load_plan((second, [12, 13, 14, 15]))) == set()
     assert torch.equal(b.blocks([12, 13, 14, 15]), values[:, [8, 9, 10, 11]])

@@ -30,8 +30,10 @@ Rules that keep it correct:
   ``MIN_BYTES`` are recycled; below that glibc reuses memory by itself.
 
 Debugging a suspected reuse (a buffer read after it was given back): with
-``KVTIER_POISON_RECYCLED=1`` in a process's environment, every buffer its pools keep is
-filled with 0xFF bytes first (a NaN in bfloat16, float16 and float32), so such a read
+``KVTIER_POISON_RECYCLED=1`` in a process's environment, every buffer its pools of this
+module keep (a client's ``ReceiveBuffers``, the RAM tier's recycled buffers; not the
+disk and Redis tiers' read buffers, ``kvtier.cacheserver.readbuffers``) is filled with
+0xFF bytes first (a NaN in bfloat16, float16 and float32), so such a read
 sees poison at once instead of, now and then, the next value's bytes. The contention
 tests (tests/e2e/test_vllm_contention.py, tests/recipes/test_contention.py) run their
 engines and tier with it; it costs a write of every recycled byte, so it is off by
@@ -46,6 +48,7 @@ of another kind given back are not kept, so a pool never mixes the two.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -117,9 +120,13 @@ class BufferPool:
 
 
 def poison(buf: Any) -> None:
-    """Fills a buffer with 0xFF bytes (``POISON_ENV``)."""
-    with memoryview(buf) as view, view.cast("B") as flat:
-        flat[:] = b"\xff" * flat.nbytes
+    """Fills a buffer with 0xFF bytes (``POISON_ENV``), in place."""
+    with memoryview(buf) as view:
+        n = view.nbytes
+    if n:
+        raw = (ctypes.c_char * n).from_buffer(buf)
+        ctypes.memset(ctypes.addressof(raw), 0xFF, n)
+        del raw  # its export of ``buf`` goes with it
 
 
 class ReceiveBuffers:

@@ -240,7 +240,8 @@ class KvtierWorker:
                 )
                 for request, chunk in chunks:
                     self._fail(request, chunk.block_ids)
-                copier.release(wait=True)
+                # What was enqueued before the failure still runs: every layer's wait waits
+                # for it, and its buffers go back with the next step's (``_recycle``) once it ran.
         if not self._layerwise or any(r.report for r in plan.loads):
             self.copies.wait_loads()
         self._failed_loads.update(plan.failed_loads)
