@@ -120,11 +120,9 @@ class KVCopier:
         step = _Loads(chunks, keep)
         streams = self._streams
         self._pending.append(step)  # first: copies enqueued before a failure read ``keep`` too
-        reading = False  # whether work that reads ``keep`` is enqueued
         try:
             streams.loads.wait(streams.compute.record())
             streams.loads.run(lambda: self._prepare_loads(step))
-            reading = True
             for layer in range(len(self._views)):
                 streams.loads.run(functools.partial(self._load_layer, step, layer))
                 self._layer_events.append(streams.loads.record())
@@ -134,10 +132,6 @@ class KVCopier:
             # Every layer's wait then waits for what was enqueued, and ``release`` holds
             # ``keep`` until that ran (forever, if not even an event can be recorded).
             self._layer_events = []
-            if not reading:  # nothing reads the values: free at once
-                self._pending.remove(step)
-                self._free += keep
-                raise
             with contextlib.suppress(Exception):
                 step.done = streams.loads.record()
                 self._layer_events = [step.done] * len(self._views)
