@@ -163,7 +163,27 @@ class RawLocal:
         reply = self.reply()
         return reply, (self.fds.pop(0) if reply.status == lw.Status.OK else None)
 
-    def put(self, items: list[tuple[bytes, int, int, int]]) -> Reply:
-        """PUT of values already in the staging segment: (key, offset, length, checksum)."""
-        self.request(Op.PUT, lw.put_table(items), len(items))
+    def put(self, items: list[tuple[bytes, int, int, int]], flags: int = 0) -> Reply:
+        """PUT of values already in the staging segment: (key, offset, length, checksum);
+        with ``FLAG_RESERVED``, in reservations: (key, reservation index, length, checksum)."""
+        self.request(Op.PUT, lw.put_table(items), len(items), flags)
         return self.reply()
+
+    def reserve(self, sizes: list[int]) -> tuple[Reply, list[tuple[int, int]]]:
+        """RESERVE: the reply and each reservation's (segment, offset); the segments handed
+        over are mapped read-write (``segments``, their fds in ``segment_fds``)."""
+        self.request(Op.RESERVE, b"".join(lw.RESERVE_ITEM.pack(n) for n in sizes), len(sizes))
+        reply = self.reply()
+        if reply.status != lw.Status.OK:
+            return reply, []
+        records = self.recv(reply.extra * lw.SEGMENT.size)
+        for segment, size in lw.SEGMENT.iter_unpack(records):
+            fd = self.fds.pop(0)
+            self.segment_fds[segment] = fd
+            self.segments[segment] = mmap.mmap(fd, size)
+        return reply, list(lw.PLACE.iter_unpack(self.recv(reply.count * lw.PLACE.size)))
+
+    def write(self, place: tuple[int, int], data: bytes) -> None:
+        """Writes ``data`` into a reservation (``reserve``'s place)."""
+        segment, offset = place
+        self.segments[segment][offset : offset + len(data)] = data

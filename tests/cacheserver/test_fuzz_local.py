@@ -1,7 +1,7 @@
 """A bounded fuzz run over the same-node transport's control messages (``kvtier.proto.localwire``).
 
 Requests that are almost right (real magic, version and ops with random flags, counts,
-tables and lengths, tables of real key and PUT-item records with random fields) and
+tables and lengths, tables of real key, PUT-item and RESERVE-item records with random fields) and
 random bytes, each on a fresh connection that then ends its sending side. Every reply
 must carry a status from the contract (never INTERNAL), and the tier must stay up with
 no unhandled exception in its log. CI runs a bounded number of examples; a longer run
@@ -94,7 +94,12 @@ put_items = st.lists(
     ),
     max_size=4,
 ).map(lambda items: lw.put_table(items))
-table = st.one_of(key_table, put_items, st.binary(max_size=64), st.integers(0, 2**64 - 1).map(lw.STAGE.pack))
+reserve_items = st.lists(
+    st.one_of(st.integers(0, 2 << 20), st.integers(0, 2**64 - 1)), max_size=6
+).map(lambda sizes: b"".join(lw.RESERVE_ITEM.pack(n) for n in sizes))
+table = st.one_of(
+    key_table, put_items, reserve_items, st.binary(max_size=64), st.integers(0, 2**64 - 1).map(lw.STAGE.pack)
+)
 request = st.builds(
     lambda op, flags, count, body, declared: lw.REQUEST.pack(
         lw.MAGIC, lw.VERSION, op, flags, count, len(body) if declared is None else declared
@@ -117,6 +122,70 @@ def test_random_control_messages_get_a_contract_status(
     data = (hello if greet else b"") + b"".join(requests)
     for status in exchange(fuzz_tier.local_socket, data):
         assert status in ALLOWED
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(64 << 10, 1 << 20), min_size=1, max_size=3),
+    items=st.lists(
+        st.tuples(
+            st.binary(max_size=40),
+            st.one_of(st.integers(0, 3), st.integers(0, 2**64 - 1)),
+            st.one_of(st.integers(64 << 10, 1 << 20), st.integers(0, 2**64 - 1)),
+            st.integers(0, 2**64 - 1),
+        ),
+        max_size=4,
+    ),
+    count=st.one_of(st.none(), st.integers(0, 8)),
+)
+def test_random_puts_into_real_reservations_get_a_contract_status(
+    fuzz_tier: TierProcess, sizes: list[int], items: list[tuple[bytes, int, int, int]], count: int | None
+) -> None:
+    """A real RESERVE, then a PUT with ``FLAG_RESERVED`` whose items name random
+    reservations, lengths and checksums: both replies carry a contract status."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(fuzz_tier.local_socket)
+        reserve = b"".join(lw.RESERVE_ITEM.pack(n) for n in sizes)
+        sock.sendall(hello + lw.request(Op.RESERVE, len(sizes), len(reserve)) + reserve)
+        received, fds = _receive_until(sock, 2)
+        for fd in fds:
+            os.close(fd)
+        put = lw.put_table(items)
+        n = len(items) if count is None else count
+        sock.sendall(lw.request(Op.PUT, n, len(put), lw.FLAG_RESERVED) + put)
+        sock.shutdown(socket.SHUT_WR)
+        more, fds = _receive_until(sock, 1)
+        for fd in fds:
+            os.close(fd)
+    statuses = [status for status, _ in received] + [status for status, _ in more]
+    assert statuses and all(status in ALLOWED for status in statuses), statuses
+
+
+def _receive_until(sock: socket.socket, replies: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Reads ``replies`` reply headers (with a RESERVE's body) or until the tier closes:
+    their (status, op), and the descriptors that came with them."""
+    buf, fds, out = b"", [], []
+    while len(out) < replies:
+        while True:
+            if len(buf) >= lw.REPLY.size:
+                _m, _v, op, status, count, extra, text_len = lw.REPLY.unpack_from(buf)
+                body = extra * lw.SEGMENT.size + count * lw.PLACE.size if op == Op.RESERVE and status == 0 else 0
+                if len(buf) >= lw.REPLY.size + text_len + body:
+                    break
+            try:
+                chunk, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(lw.MAX_FDS * 4))
+            except ConnectionResetError:
+                chunk, ancillary = b"", []
+            for level, kind, data in ancillary:
+                if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+            if not chunk:
+                return out, fds
+            buf += chunk
+        out.append((status, op))
+        buf = buf[lw.REPLY.size + text_len + body :]
+    return out, fds
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

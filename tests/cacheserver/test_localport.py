@@ -131,14 +131,17 @@ def test_values_are_the_same_entries_over_every_transport(local_tier: TierProces
 
 
 def test_metrics_count_local_requests_and_value_bytes(local_tier: TierProcess, client: TierClient) -> None:
-    client.put([(b"m", b"x" * 1000), (b"n", value(MIB))])
-    client.get([b"m", b"n", b"none"], stop_at_first_miss=False)
-    # A Put call sends a PUT request per half of its staging segment (here: two).
-    assert local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") >= 1
+    client.put([(b"m", b"x" * 1000), (b"n", value(MIB))])  # a small value: no room is reserved
+    client.put([(b"o", value(MIB))])
+    client.get([b"m", b"n", b"o", b"none"], stop_at_first_miss=False)
+    # The first Put reserved, got nothing (values under 64 KiB stay on the tier's heap) and
+    # went through a staging segment; the second reserved room and wrote into it.
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalReserve", code="OK") == 2
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") >= 2
     assert local_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 1
     assert local_tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 1
-    assert local_tier.metric("kvtier_server_received_bytes_total") == 1000 + MIB
-    assert local_tier.metric("kvtier_server_sent_bytes_total") == 1000 + MIB
+    assert local_tier.metric("kvtier_server_received_bytes_total") == 1000 + 2 * MIB
+    assert local_tier.metric("kvtier_server_sent_bytes_total") == 1000 + 2 * MIB
     assert local_tier.metric("kvtier_server_get_keys_total", result="miss") == 1
     assert local_tier.metric("kvtier_local_connections") == 1
     assert local_tier.metric("kvtier_local_leased_bytes") == 0  # released once copied
@@ -248,6 +251,8 @@ raw = RawLocal(sys.argv[1], "")
 _, entries = raw.get([b"k"])
 raw.read(entries[0])[:1]  # mid-copy
 raw.stage(8 << 20)  # and a staging segment of its own
+_, (place,) = raw.reserve([8 << 20])  # and a reservation, half written
+raw.write(place, b"x" * (4 << 20))
 print("leased", flush=True)
 time.sleep(600)
 """
@@ -266,8 +271,9 @@ def test_a_client_killed_mid_copy_leaks_no_lease_no_staging_and_no_memory(local_
             assert child.stdout is not None and child.stdout.readline().strip() == "leased"
             c.put([(b"k", new)])  # the leased value is replaced: its memory is still held
             assert local_tier.metric("kvtier_local_leased_bytes") == 8 * MIB
-            assert local_tier.metric("kvtier_server_incoming_bytes") == incoming_before + 8 * MIB
-            assert local_tier.metric("kvtier_ram_shared_used_bytes") == used_before + 8 * MIB
+            # its staging segment and its reservation; the replaced value and the reservation
+            assert local_tier.metric("kvtier_server_incoming_bytes") == incoming_before + 16 * MIB
+            assert local_tier.metric("kvtier_ram_shared_used_bytes") == used_before + 16 * MIB
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(10)
@@ -284,10 +290,12 @@ def test_a_client_killed_mid_copy_leaks_no_lease_no_staging_and_no_memory(local_
 def test_a_client_cannot_write_resize_or_punch_the_tier_segments_even_through_proc(
     local_tier: TierProcess, client: TierClient
 ) -> None:
+    """The tier's own segments (values that came over TCP, or that no tenant reserved)."""
     import mmap
 
     data = value(2 * MIB)
-    client.put([(b"k", data)])
+    with TierClient(local_tier.target, data_path="data") as tcp:
+        tcp.put([(b"k", data)])
     with RawLocal(local_tier.local_socket, "") as raw:
         _, (entry,) = raw.get([b"k"])
         fd = raw.segment_fds[entry.segment]
@@ -408,6 +416,110 @@ def test_staged_bytes_changed_while_the_tier_stores_them_are_refused_never_store
     if where == "disk":
         assert tier.metric("kvtier_tier_entries", tier="ram") == 0
         assert len(record_files(tier)) == sum(outcomes)
+
+
+# -- one copy: values written straight into memory reserved for them ------------------------------
+
+
+def test_a_put_writes_each_value_once_into_memory_the_tier_reserved_for_it(
+    local_tier: TierProcess, client: TierClient
+) -> None:
+    values = [(b"r%d" % i, value(4 * MIB, i)) for i in range(6)]  # 24 MiB: two PUT requests
+    assert client.put(values) == 6
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalReserve", code="OK") == 1
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") == 2
+    assert local_tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 0
+    assert local_tier.metric("kvtier_server_incoming_bytes") == 0  # every reservation stored
+    with RawLocal(local_tier.local_socket, "") as raw:
+        reply, entries = raw.get([k for k, _ in values])
+        assert reply.status == Status.OK
+        for entry, (_, v) in zip(entries, values, strict=True):
+            assert entry.place == Place.SHARED and entry.checksum == lw.checksum(v)
+            assert raw.read(entry) == v
+        raw.release()
+    assert as_bytes(client.get([k for k, _ in values])) == [v for _, v in values]
+
+
+def test_reserved_values_are_stored_once_and_bad_items_are_refused_naming_the_field(
+    local_tier: TierProcess, client: TierClient
+) -> None:
+    good, other = value(MIB, 1), value(MIB, 2)
+    with RawLocal(local_tier.local_socket, "") as raw:
+        reply, places = raw.reserve([MIB, MIB, MIB])
+        assert reply.status == Status.OK and reply.count == 3 and reply.extra == 1
+        raw.write(places[0], good)
+        raw.write(places[1], other)
+        reply = raw.put([(b"good", 0, MIB, lw.checksum(good)), (b"again", 0, MIB, lw.checksum(good))], lw.FLAG_RESERVED)
+        assert reply.status == Status.INVALID_ARGUMENT and reply.count == 1
+        assert "LocalPut.values[1].length" in reply.text and "reservation 0, which is not held" in reply.text
+        reply = raw.put([(b"short", 2, MIB - 1, 0)], lw.FLAG_RESERVED)
+        assert reply.status == Status.INVALID_ARGUMENT and f"which is {MIB} bytes" in reply.text
+        # The tier records the writer's checksum; a reader checks it and never returns the bytes.
+        reply = raw.put([(b"liar", 1, MIB, lw.checksum(good))], lw.FLAG_RESERVED)
+        assert reply.status == Status.OK and reply.count == 1
+        reply, _ = raw.reserve([MIB, (80 << 20) + 1])
+        assert reply.status == Status.RESOURCE_EXHAUSTED and "LocalReserve.sizes[1]" in reply.text
+        assert "--max-value-bytes" in reply.text
+    assert as_bytes(client.get([b"good", b"again", b"short"], stop_at_first_miss=False)) == [good, None, None]
+    with pytest.raises(TierUnavailable, match="DATA_LOSS: value 0 of the Get failed its checksum"):
+        client.get([b"liar"])
+    assert wait_for(lambda: local_tier.metric("kvtier_server_incoming_bytes") == 0)
+
+
+def test_a_tenants_reserved_memory_is_never_handed_to_another_tenant(
+    start_tier: Callable[..., TierProcess], tokens_dir: Path
+) -> None:
+    tier = start_tier("--auth-tokens", str(tokens_dir), local_socket=True)
+    data = value(2 * MIB, 5)
+    with RawLocal(tier.local_socket, f"Bearer {TOKEN_A}") as a, RawLocal(tier.local_socket, f"Bearer {TOKEN_B}") as b:
+        _, (place_a,) = a.reserve([2 * MIB])
+        a.write(place_a, data)
+        assert a.put([(b"p", 0, 2 * MIB, lw.checksum(data))], lw.FLAG_RESERVED).status == Status.OK
+        reply, (place_b,) = b.reserve([2 * MIB])
+        assert reply.extra == 1 and place_b[0] != place_a[0]  # a segment of B's own
+        reply, (entry,) = b.get([b"p"])
+        assert entry.place == Place.MISSING and reply.extra == 0
+        assert set(b.segments) == {place_b[0]}
+        with RawLocal(tier.local_socket, f"Bearer {TOKEN_A}") as a2:  # A's other connections share A's
+            reply, (entry,) = a2.get([b"p"])
+            assert entry.segment == place_a[0] and a2.read(entry) == data
+            a2.release()
+            b.hello(f"Bearer {TOKEN_A}")  # a connection that becomes A's loses what it reserved as B
+            reply = b.put([(b"q", 0, 2 * MIB, 0)], lw.FLAG_RESERVED)
+            assert reply.status == Status.INVALID_ARGUMENT and "not held" in reply.text
+
+
+def test_a_wholly_free_tenant_segment_gives_its_room_to_another_tenant_and_no_room_means_staging(
+    start_tier: Callable[..., TierProcess], tokens_dir: Path
+) -> None:
+    # --ram-bytes + --incoming-bytes = 24 MiB: room for one 24 MiB segment in all.
+    tier = start_tier("--auth-tokens", str(tokens_dir), "--ram-bytes", "8MiB", "--incoming-bytes", "16MiB",
+                      "--max-value-bytes", "4MiB", "--disk-bytes", "0", local_socket=True)  # fmt: skip
+    data = value(4 * MIB, 6)
+    with RawLocal(tier.local_socket, f"Bearer {TOKEN_A}") as a:
+        reply, (place_a,) = a.reserve([4 * MIB])
+        assert reply.count == 1
+        a.write(place_a, data)
+        with (
+            RawLocal(tier.local_socket, f"Bearer {TOKEN_B}") as b,
+            TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local") as client_b,
+        ):
+            reply, _ = b.reserve([4 * MIB])
+            assert reply.status == Status.OK and reply.count == 0  # A's segment is in use
+            assert client_b.put([(b"k", data)]) == 1  # B's client stages it instead
+            assert tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 1
+            assert as_bytes(client_b.get([b"k"])) == [data]
+        a.hello(f"Bearer {TOKEN_A}")  # drops A's reservation: its segment is wholly free
+        segment_a, at = place_a
+        with RawLocal(tier.local_socket, f"Bearer {TOKEN_B}") as b:
+            reply, (place,) = b.reserve([4 * MIB])
+            assert reply.count == 1 and reply.extra == 1 and place[0] != segment_a
+            b.write(place, data)
+            assert b.put([(b"k2", 0, 4 * MIB, lw.checksum(data))], lw.FLAG_RESERVED).status == Status.OK
+            assert tier.metric("kvtier_ram_shared_bytes") == 24 * MIB  # A's segment was closed ...
+            assert a.segments[segment_a][at : at + 4 * MIB] == bytes(4 * MIB)  # ... its pages released
+    with TierClient(tier.target, local_socket=tier.local_socket, token=TOKEN_B, data_path="local") as client_b:
+        assert as_bytes(client_b.get([b"k", b"k2"])) == [data, data]
 
 
 # -- limits, bad input, auth, tenants ----------------------------------------------------------

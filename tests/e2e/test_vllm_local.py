@@ -62,6 +62,9 @@ def test_an_engine_loads_what_another_saved_through_shared_memory_with_identical
     assert reference.num_cached_tokens == 0
     assert second.token_ids == first.token_ids == reference.token_ids
     assert tier.metric(REQUESTS, op="LocalPut", code="OK") >= 1
+    # one copy: every chunk written straight into memory the tier reserved for it
+    assert tier.metric(REQUESTS, op="LocalReserve", code="OK") >= 1
+    assert tier.metric(REQUESTS, op="LocalStage", code="OK") == 0
     assert tier.metric(REQUESTS, op="LocalGet", code="OK") >= 1
     assert tier.metric("kvtier_server_sent_bytes_total") > 0
     for op in ("Get", "Put", "DataGet", "DataPut", "Lookup"):  # nothing over TCP

@@ -29,6 +29,20 @@ How memory is handed out and taken back:
 A value's checksum (xxh3-64, ``kvtier.proto.localwire.checksum``) is kept with its
 extent: set by the same-node Put that copied it in, computed on first use otherwise
 (the extent's bytes never change while it is in use).
+
+**A tenant's own segments** (``take(size, owner=tenant)``): a same-node Put of one copy
+(RESERVE, then PUT with ``FLAG_RESERVED``) has the client write a value straight into
+tier memory. The tier cannot take a writable mapping back from another process, so
+such memory is only ever used for values of the tenant whose clients got it: an
+owner's segments are sealed against a change of size only (no ``F_SEAL_FUTURE_WRITE``),
+their read-write descriptor goes to that tenant's connections, and their extents are
+never handed to anybody else. A client can thus change its own tenant's values after
+storing them, as it could have stored other bytes in the first place: readers on the
+node check the checksum recorded when the value was stored; copies to lower tiers and
+replies over TCP carry what that tenant's memory holds. No other tenant's value is ever
+in it. An owner's segment that is wholly free
+is closed when another segment needs its room: its pages are released first (hole
+punched), so mappings clients keep cost no memory, and its id is never used again.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ from kvtier.proto.localwire import checksum
 PAGE = mmap.PAGESIZE
 SHARED_MIN = 64 << 10  # smaller values stay on the heap (a page each would waste memory)
 SEGMENT_BYTES = 1 << 30  # a segment's size (a larger value gets a segment of its own)
+OWNED_BYTES = 256 << 20  # a tenant's own segment's size (smaller: it serves one tenant)
 _ATTR = "_kvtier_extent"
 F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (Linux 5.1); Python's fcntl does not name it
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -70,13 +85,15 @@ def sealed_memfd(name: str, size: int, seals: int) -> tuple[int, mmap.mmap]:
 
 
 class Segment:
-    """One memfd: the tier's read-write mapping and the read-only fd handed to clients."""
+    """One memfd: the tier's read-write mapping and the read-only fd handed to clients
+    (and, for a tenant's own segment, ``fd``, read-write, to that tenant's clients)."""
 
-    def __init__(self, segment_id: int, size: int) -> None:
+    def __init__(self, segment_id: int, size: int, owner: str | None = None) -> None:
         self.id = segment_id
         self.size = size
+        self.owner = owner
         self.fd, self.map = sealed_memfd(
-            f"kvtier-ram-{segment_id}", size, SEALS | F_SEAL_FUTURE_WRITE
+            f"kvtier-ram-{segment_id}", size, SEALS if owner is not None else SEALS | F_SEAL_FUTURE_WRITE
         )
         try:
             self.read_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -84,7 +101,13 @@ class Segment:
             self.read_fd = os.dup(self.fd)
         self.free: list[tuple[int, int]] = [(0, size)]  # (offset, length), by offset
 
+    def idle(self) -> bool:
+        return self.free == [(0, self.size)]
+
     def close(self) -> None:
+        if self.owner is not None:  # clients may keep it mapped: its pages go now
+            with contextlib.suppress(OSError):
+                _punch(self.fd, self.size)
         with contextlib.suppress(OSError):
             os.close(self.read_fd)
         with contextlib.suppress(OSError):
@@ -116,16 +139,18 @@ class SharedArena:
         self.total_bytes = 0  # of every segment
         self.used_bytes = 0  # of extents alive
         self.fallbacks = 0  # values that did not fit and went to the heap
+        self._next_id = 1  # segment ids are never reused (clients keep closed ones mapped)
         self._extents: dict[int, Extent] = {}
         self._dead: list[Extent] = []  # appended from weakref callbacks, any thread
 
-    def take(self, size: int) -> memoryview | None:
-        """A writable view of ``size`` bytes of shared memory, or None (small, or no room)."""
+    def take(self, size: int, owner: str | None = None) -> memoryview | None:
+        """A writable view of ``size`` bytes of shared memory, or None (small, or no room);
+        ``owner``: from that tenant's own segments (which its clients may write)."""
         if size < SHARED_MIN:
             return None
         self.reclaim()
         span = _pages(size)
-        where = self._alloc(span)
+        where = self._alloc(span, owner)
         if where is None:
             self.fallbacks += 1
             return None
@@ -178,19 +203,24 @@ class SharedArena:
             segment.close()
         self.segments.clear()
 
-    def _alloc(self, span: int) -> tuple[Segment, int] | None:
+    def _alloc(self, span: int, owner: str | None) -> tuple[Segment, int] | None:
         best: tuple[Segment, int, int] | None = None  # segment, index in its free list, length
         for segment in self.segments.values():
+            if segment.owner != owner:
+                continue
             for i, (_offset, length) in enumerate(segment.free):
                 if length >= span and (best is None or length < best[2]):
                     best = (segment, i, length)
                     if length == span:
                         break
         if best is None:
-            size = max(self.segment_bytes, span)
+            size = max(self.segment_bytes if owner is None else min(self.segment_bytes, OWNED_BYTES), span)
+            if self.total_bytes + size > self.limit_bytes:
+                self._close_idle(self.total_bytes + size - self.limit_bytes)
             if self.total_bytes + size > self.limit_bytes and self.segments:
                 return None
-            segment = Segment(len(self.segments) + 1, size)
+            segment = Segment(self._next_id, size, owner)
+            self._next_id += 1
             self.segments[segment.id] = segment
             self.total_bytes += size
             best = (segment, 0, size)
@@ -201,6 +231,26 @@ class SharedArena:
         else:
             segment.free[i] = (offset + span, length - span)
         return segment, offset
+
+
+    def _close_idle(self, want: int) -> None:
+        """Closes wholly free tenants' own segments until ``want`` bytes are freed (the
+        tier's own stay: they cannot be punched, and clients keep them mapped)."""
+        for segment in list(self.segments.values()):
+            if want <= 0:
+                return
+            if segment.owner is not None and segment.idle():
+                del self.segments[segment.id]
+                self.total_bytes -= segment.size
+                want -= segment.size
+                segment.close()
+
+
+def _punch(fd: int, size: int) -> None:
+    """Releases a memfd's pages (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) != 0:
+        raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
 
 
 def _pages(n: int) -> int:

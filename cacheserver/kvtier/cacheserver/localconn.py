@@ -17,8 +17,23 @@ requests (``kvtier.proto.localwire``) until EOF, a stream it cannot parse, a sta
   stays readable through the descriptor, whole. At most ``MAX_FDS`` files per reply, and
   none while the client has not read everything sent to it before (values then go
   inline): descriptors in flight count against the tier's own limit.
-- A PUT copies values out of the connection's staging segment (STAGE) into the tier's
-  own memory and checks each one's checksum on what it copied; a value only the disk
+- A RESERVE takes extents for the values of the next PUT in the tenant's own segments
+  (``SharedArena.take(owner=tenant)``), whose read-write descriptors go with the reply;
+  the client writes each value into its extent, hashing it as it copies, and PUT with
+  ``FLAG_RESERVED`` stores the extent itself with the checksum the client sent: one copy
+  in all, and the tier never reads the value. A connection holds one RESERVE's extents
+  (counted against ``--incoming-bytes``) until they are stored, the next RESERVE, a
+  HELLO, or its end.
+
+  Trust: the tier records the writer's checksum without re-reading the value. Memory a
+  tenant's clients can write stays writable by them after any check the tier could make
+  (``kvtier.cacheserver.arena``: it only ever holds that tenant's values), so a check at
+  store time would prove nothing later; every same-node reader checks the checksum as it
+  copies and fails its Get on a mismatch (never returns the bytes). A value whose writer
+  lied about it, or changed it after storing it, is that tenant's own, as a wrong value
+  it sent over TCP would be.
+- A PUT from the staging segment (STAGE; when a RESERVE found no room) copies values
+  into the tier's own memory and checks each one's checksum on what it copied; a value only the disk
   tier will hold (larger than the RAM tier takes, written through) is written from the
   staging segment to its record file in one pass, checked as written
   (``Store.put_checked``).
@@ -46,7 +61,7 @@ from typing import TYPE_CHECKING
 from typing_extensions import Buffer
 
 from kvtier.cacheserver import record
-from kvtier.cacheserver.arena import SEALS, sealed_memfd
+from kvtier.cacheserver.arena import SEALS, Segment, sealed_memfd
 from kvtier.cacheserver.budget import Reservation
 from kvtier.cacheserver.dataport import status_of
 from kvtier.cacheserver.datastreams import PlainStream
@@ -79,6 +94,7 @@ _OP_NAMES = {
     Op.STATS: "LocalStats",
     Op.STAGE: "LocalStage",
     Op.RELEASE: "LocalRelease",
+    Op.RESERVE: "LocalReserve",
 }
 
 
@@ -127,6 +143,10 @@ class LocalConnection:
         self.lease_since = 0.0
         self.staging: _Staging | None = None
         self.staging_held: Reservation | None = None
+        self.writable: set[int] = set()  # segments whose read-write fds this client has
+        self.reserved: dict[int, memoryview] = {}  # the last RESERVE's extents, by index
+        self.reserved_tenant = ""
+        self.reserved_held: Reservation | None = None
 
     async def serve(self) -> None:
         head = bytearray(lw.REQUEST.size)
@@ -164,6 +184,7 @@ class LocalConnection:
                 self.sock.shutdown(socket.SHUT_RDWR)  # first: the client must see the end ...
             self.sock.close()
             self._release()  # ... before its lease's memory can be reused
+            self._unreserve()
             if self.staging is not None:
                 self.staging.close()
                 self._unstage()
@@ -221,9 +242,18 @@ class LocalConnection:
                 await self._send(lw.reply(op, Status.OK, extra=len(body)) + body)
             elif op == Op.STAGE:
                 await self._stage(await self._table(op_name, 1, table_len, exact=lw.STAGE.size))
+            elif op == Op.RESERVE:
+                table = await self._table(
+                    op_name, count, table_len, exact=count * lw.RESERVE_ITEM.size
+                )
+                await self._reserve(table, tenant)
             elif op == Op.PUT:
                 table = await self._table(op_name, count, table_len)
-                await self._put(parse_put_items(self.core, count, table), tenant)
+                items = parse_put_items(self.core, count, table)
+                if flags & lw.FLAG_RESERVED:
+                    await self._put_reserved(items, tenant)
+                else:
+                    await self._put(items, tenant)
             else:
                 keys = parse_keys(
                     self.core, op_name, count, await self._table(op_name, count, table_len)
@@ -334,6 +364,7 @@ class LocalConnection:
     # -- requests ---------------------------------------------------------------------
 
     async def _hello(self, table: bytes) -> None:
+        self._unreserve()  # reserved in the tenant's memory: gone if the tenant changes
         try:
             self.authorization = table.decode() if table else None
         except UnicodeDecodeError:
@@ -385,13 +416,8 @@ class LocalConnection:
                         self.port.leased_bytes += extent.span
             self.lease_since = time.monotonic()
             segments = [self.arena.segments[s] for s in handed]
-            records = [lw.SEGMENT.pack(s.id, s.size) for s in segments]
             head = lw.reply(Op.GET, Status.OK, count=n, extra=len(segments))
-            for i in range(0, max(1, len(segments)), lw.MAX_FDS):
-                part = b"".join(records[i : i + lw.MAX_FDS])
-                await self._send(
-                    (head if i == 0 else b"") + part, [s.read_fd for s in segments[i : i + lw.MAX_FDS]]
-                )
+            await self._send_segments(head, [(s, s.read_fd) for s in segments])
             self.segments.update(handed)
             await self._send_entries(entries, opened)
             for view in inline:
@@ -399,6 +425,14 @@ class LocalConnection:
         finally:
             for _, opened_file in opened:
                 opened_file.close()  # the client holds its own descriptors now
+
+    async def _send_segments(self, head: bytes, segments: list[tuple[Segment, int]]) -> None:
+        """Sends a reply's head and its SEGMENT records, each record's fd riding on it (at
+        most ``MAX_FDS`` per message)."""
+        for i in range(0, max(1, len(segments)), lw.MAX_FDS):
+            part = segments[i : i + lw.MAX_FDS]
+            records = b"".join(lw.SEGMENT.pack(s.id, s.size) for s, _ in part)
+            await self._send((head if i == 0 else b"") + records, [fd for _, fd in part])
 
     def _peer_read_all(self) -> bool:
         """Whether the client has received every byte (and descriptor) sent to it so far."""
@@ -453,6 +487,74 @@ class LocalConnection:
             await self._send(lw.reply(Op.STAGE, Status.OK, extra=1), [staging.fd])
         finally:
             staging.close_fd()  # the tier keeps its mapping; the client its fd
+
+    async def _reserve(self, table: bytearray, tenant: str) -> None:
+        self._unreserve()  # a connection holds one RESERVE's extents
+        sizes = [size for (size,) in lw.RESERVE_ITEM.iter_unpack(table)]
+        for i, size in enumerate(sizes):
+            self.core.check_value_length(f"LocalReserve.sizes[{i}]", size)
+        self.reserved_held = self.core.reserve("LocalReserve.sizes", sum(sizes))
+        reserved: dict[int, memoryview] = {}
+        for i, size in enumerate(sizes):
+            view = self.arena.take(size, owner=tenant) if size else None
+            if view is None:  # small, or no room now: the client stages these values instead
+                reserved.clear()
+                self._unreserve()
+                await self._send(lw.reply(Op.RESERVE, Status.OK))
+                return
+            reserved[i] = view
+        self.reserved, self.reserved_tenant = reserved, tenant
+        places = bytearray()
+        handed: list[Segment] = []
+        for view in reserved.values():
+            extent = self.arena.locate(view)
+            assert extent is not None
+            segment = self.arena.segments[extent.segment]
+            if extent.segment not in self.writable and segment not in handed:
+                handed.append(segment)
+            places += lw.PLACE.pack(extent.segment, extent.offset)
+        head = lw.reply(Op.RESERVE, Status.OK, count=len(sizes), extra=len(handed))
+        await self._send_segments(head, [(s, s.fd) for s in handed])
+        self.writable.update(s.id for s in handed)
+        self.segments.update(s.id for s in handed)
+        await self._send(places)
+
+    def _unreserve(self) -> None:
+        self.reserved = {}  # the views go: their extents are free once nothing else holds them
+        held, self.reserved_held = self.reserved_held, None
+        if held is not None:
+            held.release()
+        self.arena.reclaim()
+
+    async def _put_reserved(self, items: list[tuple[bytes, int, int, int]], tenant: str) -> None:
+        """Stores values the client wrote into its reservations (after RESERVE)."""
+        if tenant != self.reserved_tenant:  # the token's tenant changed: not its memory
+            self._unreserve()
+        stored = rejected = 0
+        for i, (key, index, length, crc) in enumerate(items):
+            view = self.reserved.pop(index, None)
+            if view is None or view.nbytes != length:
+                held = "not held" if view is None else f"{view.nbytes} bytes"
+                raise _PutRefused(
+                    InvalidRequest(
+                        f"LocalPut.values[{i}].length: {length} bytes into reservation {index}, "
+                        f"which is {held} (RESERVE first; each reservation is stored once)"
+                    ),
+                    stored,
+                )
+            extent = self.arena.locate(view)
+            assert extent is not None
+            # The writer's checksum is recorded, not re-computed: the tenant can change
+            # this memory after any check the tier could make, and every same-node reader
+            # checks it as it copies (module docstring, "Trust").
+            extent.checksum = crc
+            if await self.core.store_value(tenant, key, view.toreadonly()):
+                stored += 1
+            else:
+                rejected += 1
+        if not self.reserved:
+            self._unreserve()  # every reservation stored: the incoming budget goes back
+        await self._send(lw.reply(Op.PUT, Status.OK, count=stored, extra=rejected))
 
     def _unstage(self) -> None:
         held, self.staging_held = self.staging_held, None

@@ -30,6 +30,14 @@ headers, codes and the value checksum from here (the server from
     PUT      table: count x PUT_ITEM, each followed by its key: values already written into
              the staging segment at offset..offset+length, with their checksums
              -> OK, count: values stored, extra: values rejected for capacity
+             flags bit 2 (FLAG_RESERVED): each value was written into its reservation
+             instead (PUT_ITEM's offset: the reservation's index in the last RESERVE, its
+             length the size reserved); each reservation is stored once
+    RESERVE  table: count x RESERVE_ITEM (a value's size) -> OK, count: count (reserved) or
+             0 (no room now: STAGE and PUT from the staging segment instead), extra:
+             segments handed over (read-write: the caller's tenant's own; their fds ride on
+             this reply); body: extra x SEGMENT, then count x PLACE. Replaces the
+             connection's earlier reservations; they last until stored or the connection ends.
 
 ``status`` is a gRPC status code number (``Status``, the data port's). The checksum of a
 value is xxh3-64 of its bytes (``checksum``), computed by the side that writes it while it
@@ -58,15 +66,18 @@ except ImportError:  # pragma: no cover - exercised where the helper is not buil
 __all__ = [
     "ENTRY",
     "FLAG_FILES",
+    "FLAG_RESERVED",
     "FLAG_STOP_AT_FIRST_MISS",
     "KEY",
     "MAGIC",
     "MAX_FDS",
     "MAX_HELLO_BYTES",
     "MAX_TABLE_BYTES",
+    "PLACE",
     "PUT_ITEM",
     "REPLY",
     "REQUEST",
+    "RESERVE_ITEM",
     "SEGMENT",
     "STAGE",
     "VERSION",
@@ -93,9 +104,12 @@ PUT_ITEM = struct.Struct("<HQQQ")  # key_len, staging offset, length, checksum
 SEGMENT = struct.Struct("<IQ")  # segment id, size
 ENTRY = struct.Struct("<BxxxIQQQ")  # place, segment id, offset, length, checksum
 STAGE = struct.Struct("<Q")
+RESERVE_ITEM = struct.Struct("<Q")  # a value's size
+PLACE = struct.Struct("<IQ")  # segment id, offset: where a reservation lies
 
 FLAG_STOP_AT_FIRST_MISS = 1
 FLAG_FILES = 2
+FLAG_RESERVED = 4
 MAX_TABLE_BYTES = 64 << 20
 MAX_HELLO_BYTES = 8 << 10
 MAX_FDS = 250  # file descriptors per sendmsg (the kernel's limit is 253)
@@ -113,6 +127,7 @@ class Op(enum.IntEnum):
     STATS = 6
     STAGE = 7
     RELEASE = 8
+    RESERVE = 9
 
 
 class Place(enum.IntEnum):

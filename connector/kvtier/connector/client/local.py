@@ -6,8 +6,12 @@ messages on the socket; a Get answers where each value lies in the tier's memfd
 segments (read-only file descriptors arrive with the reply, ``SCM_RIGHTS``, and are
 mapped once per connection), and the client copies the values out into its receive
 buffers (``kvtier.proto.buffers.ReceiveBuffers``), checking each value's checksum in the
-same pass, then releases its lease; a Put writes the values into the connection's
-staging segment (one the tier gave it) and the tier copies them into its own memory.
+same pass, then releases its lease; a Put reserves room for its values in the tier's
+memory (RESERVE: extents of the tenant's own segments, mapped read-write), writes each
+value there, hashing it as it copies, and has the tier store them (PUT with
+``FLAG_RESERVED``): one copy. When the tier has no room to reserve, the values go
+through the connection's staging segment (one the tier gave it) and the tier copies
+them into its own memory.
 A value the tier holds only on disk arrives as its record file (a read-only descriptor,
 ``FLAG_FILES``): the client reads the value from the page cache itself and checks the
 record's checksum (``localwire.read_checked``); a record that fails it is deleted and is
@@ -19,8 +23,11 @@ connection is still open after its copies copied whole values, and the checksums
 again. A Get that finds its connection closed, or a checksum that does not match, fails
 the call (``TierUnavailable``), never returns the bytes.
 
-Puts are pipelined: the staging segment holds two halves, and while the tier copies one
-half's values the client writes the next values into the other.
+Puts are pipelined: values go in requests of up to ``PIPELINE_BYTES``, and while the tier
+stores (reserved) or copies (staged: the staging segment's other half) one request's
+values, the client writes the next request's. The tier records the checksum the client
+sends with a reserved value without reading the value (memory the tenant's clients can
+write anyway); every same-node reader checks it as it copies.
 
 Errors as ``DataPortTransport``'s: ``TransportUnreachable`` when the socket cannot be
 connected (no file, nobody listening, no permission: another transport may serve),
@@ -60,6 +67,7 @@ STAGING_ROUND = 1 << 20
 # CPUs (docs/benchmarks.md, "Same-node copies and alignment").
 ALIGN = 64
 PIPELINE_BYTES = 16 << 20  # what a Put request carries at most when its values are smaller
+RESERVE_BYTES = 64 << 20  # what one RESERVE asks for at most (unless one value is larger)
 _ANCILLARY = socket.CMSG_SPACE(lw.MAX_FDS * array.array("i").itemsize)
 
 
@@ -133,7 +141,7 @@ class _Conn:
             raise Refused(status, text, count)
         return count, extra, text
 
-    def map_segments(self, n: int, deadline: Deadline) -> None:
+    def map_segments(self, n: int, deadline: Deadline, writable: bool = False) -> None:
         """Maps the ``n`` segments a reply handed over (their records, then their fds)."""
         records = self.recv(n * lw.SEGMENT.size, deadline)
         for i in range(n):
@@ -142,7 +150,8 @@ class _Conn:
                 raise ConnectionError("the tier named a segment but sent no file descriptor")
             fd = self.fds.popleft()
             try:
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
             finally:
                 os.close(fd)
             old = self.segments.pop(segment, None)
@@ -316,39 +325,106 @@ class LocalTransport(ConnectionPool[_Conn]):
         lengths = [sum(p.nbytes for p in parts) for _, parts in values]
 
         def call(conn: _Conn, deadline: Deadline) -> int:
-            if not values:
-                return 0
-            staging = self._staging(conn, max(lengths), sum(lengths), deadline)
-            halves = 2 if staging.size >= 2 * max(lengths) else 1
-            region = staging.size // halves
-            stored = 0
-            pending: deque[int] = deque()  # requests sent and not yet answered
-            i = turn = 0
-            while i < len(values):
-                group: list[tuple[int, int]] = []  # (value, its offset in the region)
-                used = 0
-                while i < len(values) and _aligned(used) + lengths[i] <= region:
-                    group.append((i, _aligned(used)))
-                    used = _aligned(used) + lengths[i]
-                    i += 1
-                assert group, "a region holds at least the largest value"
-                while len(pending) >= halves:  # the region's last request must be answered
-                    stored += self._put_reply(conn, pending, deadline)
-                base, turn = region * (turn % halves), turn + 1
-                table = []
-                for j, at in group:
-                    key, parts = values[j]
-                    offset = base + at
-                    crc = lw.copy_checked(staging.view[offset : offset + lengths[j]], *parts)
-                    table.append((key, offset, lengths[j], crc))
-                raw = lw.put_table(table)
-                conn.send([lw.request(Op.PUT, len(table), len(raw)), raw], deadline)
-                pending.append(len(table))
-            while pending:
-                stored += self._put_reply(conn, pending, deadline)
+            stored = start = 0
+            while start < len(values):
+                end, total = start + 1, lengths[start]
+                while end < len(values) and total + lengths[end] <= RESERVE_BYTES:
+                    total += lengths[end]
+                    end += 1
+                places = self._reserve(conn, lengths[start:end], deadline)
+                if places is None:  # no room in the tier's memory now: through the staging segment
+                    return stored + self._put_staged(conn, values[start:], lengths[start:], deadline)
+                stored += self._put_reserved(conn, values[start:end], lengths[start:end], places, deadline)
+                start = end
             return stored
 
         return self._call("Put", call, timeout_s)
+
+    def _reserve(self, conn: _Conn, lengths: list[int], deadline: Deadline) -> list[memoryview] | None:
+        """Room for values of ``lengths`` in the tier's memory, or None (the tier has none now)."""
+        if min(lengths) == 0:
+            return None
+        table = b"".join(lw.RESERVE_ITEM.pack(n) for n in lengths)
+        conn.send([lw.request(Op.RESERVE, len(lengths), len(table)), table], deadline)
+        try:
+            count, segments, _ = conn.reply(Op.RESERVE, deadline)
+        except Refused as exc:  # over the tier's incoming budget now: staged values wait for room
+            if exc.status in (Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED):
+                return None
+            raise
+        conn.map_segments(segments, deadline, writable=True)
+        if count == 0:
+            return None
+        if count != len(lengths):
+            raise ConnectionError(f"the tier reserved {count} of {len(lengths)} values")
+        raw = conn.recv(count * lw.PLACE.size, deadline)
+        places = []
+        for i, (segment, offset) in enumerate(lw.PLACE.iter_unpack(raw)):
+            target = conn.segments.get(segment)
+            if target is None or target.readonly or offset + lengths[i] > target.nbytes:
+                raise ConnectionError(f"the tier reserved bytes outside writable segment {segment}")
+            places.append(target[offset : offset + lengths[i]])
+        return places
+
+    def _put_reserved(
+        self, conn: _Conn, values: list[tuple[bytes, list[memoryview]]], lengths: list[int],
+        places: list[memoryview], deadline: Deadline,
+    ) -> int:
+        """Writes each value into its reservation and has the tier store it, in requests of
+        up to ``PIPELINE_BYTES`` sent without waiting (the tier stores one while the next is
+        written); every reply is read at the end."""
+        pending = i = 0
+        while i < len(values):
+            table: list[tuple[bytes, int, int, int]] = []
+            used = 0
+            while i < len(values) and (not table or used + lengths[i] <= PIPELINE_BYTES):
+                key, parts = values[i]
+                table.append((key, i, lengths[i], lw.copy_checked(places[i], *parts)))
+                used += lengths[i]
+                i += 1
+            raw = lw.put_table(table)
+            conn.send([lw.request(Op.PUT, len(table), len(raw), lw.FLAG_RESERVED), raw], deadline)
+            pending += 1
+        stored = 0
+        for _ in range(pending):
+            stored += conn.reply(Op.PUT, deadline)[0]
+        return stored
+
+    def _put_staged(
+        self, conn: _Conn, values: list[tuple[bytes, list[memoryview]]], lengths: list[int],
+        deadline: Deadline,
+    ) -> int:
+        """Writes values into the staging segment, two halves in turn, and has the tier copy
+        them out."""
+        staging = self._staging(conn, max(lengths), sum(lengths), deadline)
+        halves = 2 if staging.size >= 2 * max(lengths) else 1
+        region = staging.size // halves
+        stored = 0
+        pending: deque[int] = deque()  # requests sent and not yet answered
+        i = turn = 0
+        while i < len(values):
+            group: list[tuple[int, int]] = []  # (value, its offset in the region)
+            used = 0
+            while i < len(values) and _aligned(used) + lengths[i] <= region:
+                group.append((i, _aligned(used)))
+                used = _aligned(used) + lengths[i]
+                i += 1
+            assert group, "a region holds at least the largest value"
+            while len(pending) >= halves:  # the region's last request must be answered
+                stored += self._put_reply(conn, pending, deadline)
+            base, turn = region * (turn % halves), turn + 1
+            table = []
+            for j, at in group:
+                key, parts = values[j]
+                offset = base + at
+                crc = lw.copy_checked(staging.view[offset : offset + lengths[j]], *parts)
+                table.append((key, offset, lengths[j], crc))
+            raw = lw.put_table(table)
+            conn.send([lw.request(Op.PUT, len(table), len(raw)), raw], deadline)
+            pending.append(len(table))
+        while pending:
+            stored += self._put_reply(conn, pending, deadline)
+        return stored
 
     # -- helpers --------------------------------------------------------------------
 
