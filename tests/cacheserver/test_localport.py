@@ -466,6 +466,22 @@ def test_reserved_values_are_stored_once_and_bad_items_are_refused_naming_the_fi
     assert wait_for(lambda: local_tier.metric("kvtier_server_incoming_bytes") == 0)
 
 
+def test_a_reservations_pages_are_the_tiers_before_the_client_writes_them(local_tier: TierProcess) -> None:
+    """Shared memory counts against the cgroup that first touches it: the tier faults a
+    reservation's pages in itself, so the engine that writes them is not charged."""
+
+    def tier_shmem() -> int:
+        assert local_tier.proc is not None
+        with open(f"/proc/{local_tier.proc.pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
+
+    before = tier_shmem()
+    with RawLocal(local_tier.local_socket, "") as raw:
+        reply, _ = raw.reserve([16 * MIB])
+        assert reply.count == 1
+        assert tier_shmem() >= before + 16 * MIB  # nothing written yet
+
+
 def test_a_tenants_reserved_memory_is_never_handed_to_another_tenant(
     start_tier: Callable[..., TierProcess], tokens_dir: Path
 ) -> None:

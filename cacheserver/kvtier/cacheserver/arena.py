@@ -43,6 +43,10 @@ replies over TCP carry what that tenant's memory holds. No other tenant's value 
 in it. An owner's segment that is wholly free
 is closed when another segment needs its room: its pages are released first (hole
 punched), so mappings clients keep cost no memory, and its id is never used again.
+Before a reservation is handed out the tier faults its pages in through its own mapping
+(``populate``, once per page): memory is charged to the cgroup that first touches it, and
+tier memory must count against the tier's pod, not against the engine that writes it
+first.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ SEGMENT_BYTES = 1 << 30  # a segment's size (a larger value gets a segment of it
 OWNED_BYTES = 256 << 20  # a tenant's own segment's size (smaller: it serves one tenant)
 _ATTR = "_kvtier_extent"
 F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (Linux 5.1); Python's fcntl does not name it
+MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14)
+_libc = ctypes.CDLL(None, use_errno=True)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -100,6 +106,22 @@ class Segment:
         except OSError:  # no /proc: the seals alone keep clients from writing
             self.read_fd = os.dup(self.fd)
         self.free: list[tuple[int, int]] = [(0, size)]  # (offset, length), by offset
+        exporter = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(exporter)  # valid while the map is open
+        del exporter
+        # a tenant's own segment: which pages the tier has faulted in (one byte per page)
+        self.populated = bytearray(size // PAGE if owner is not None else 0)
+
+    def populate(self, offset: int, span: int) -> None:
+        """Faults the pages of ``span`` bytes at ``offset`` in through the tier's mapping, once
+        each (any thread: the caller holds the extent)."""
+        first, last = offset // PAGE, (offset + span) // PAGE
+        if self.populated.find(0, first, last) < 0:
+            return
+        where = ctypes.c_void_p(self.address + offset)
+        if _libc.madvise(where, ctypes.c_size_t(span), MADV_POPULATE_WRITE) != 0:
+            ctypes.memset(where, 0, span)  # before Linux 5.14 (the extent is free: about to be written)
+        self.populated[first:last] = b"\x01" * (last - first)
 
     def idle(self) -> bool:
         return self.free == [(0, self.size)]
@@ -183,6 +205,17 @@ class SharedArena:
             extent.checksum = checksum(value)
         return extent.checksum
 
+    def unpopulated(self, extent: Extent) -> bool:
+        """Whether some page of a tenant's own extent was never faulted in by the tier."""
+        segment = self.segments[extent.segment]
+        first = extent.offset // PAGE
+        return segment.populated.find(0, first, first + extent.span // PAGE) >= 0
+
+    def populate(self, *extents: Extent) -> None:
+        """``Segment.populate`` for extents the caller holds (any thread)."""
+        for extent in extents:
+            self.segments[extent.segment].populate(extent.offset, extent.span)
+
     def live_bytes(self) -> int:
         """Bytes of extents still viewed (readable from any thread: changes nothing)."""
         return self.used_bytes - sum(e.span for e in list(self._dead))
@@ -248,8 +281,7 @@ class SharedArena:
 
 def _punch(fd: int, size: int) -> None:
     """Releases a memfd's pages (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) != 0:
+    if _libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) != 0:
         raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
 
 

@@ -504,10 +504,13 @@ class LocalConnection:
                 return
             reserved[i] = view
         self.reserved, self.reserved_tenant = reserved, tenant
+        extents = [self.arena.locate(view) for view in reserved.values()]
+        cold = [e for e in extents if e is not None and self.arena.unpopulated(e)]
+        if cold:  # the tier's pages, charged to the tier: faulted in before the client writes
+            await asyncio.to_thread(self.arena.populate, *cold)
         places = bytearray()
         handed: list[Segment] = []
-        for view in reserved.values():
-            extent = self.arena.locate(view)
+        for extent in extents:
             assert extent is not None
             segment = self.arena.segments[extent.segment]
             if extent.segment not in self.writable and segment not in handed:
