@@ -12,7 +12,9 @@ Prints GB/s (best of ``--repeat``) of:
   at the aligned case and the case of a ``bytearray`` receive buffer (data at 16);
 - a copy into pages touched before against one into pages never touched (a new memfd
   segment, or memory the kernel must first allocate and zero): what a tier pays for a
-  value that lands in fresh memory instead of memory it recycled;
+  value that lands in fresh memory instead of memory it recycled; and ``copy_checked``
+  into a new mapping of pages that exist (a same-node client's first write into each
+  page of a tier segment it reserved in);
 - reading a file from the page cache into a buffer touched before: ``readinto`` (the
   ``plain file`` baseline of ``kvtier bench tier``) against ``read_checked`` (pread and
   xxh3-64 block by block: a same-node client reading a disk-tier record file), C and
@@ -119,6 +121,24 @@ def main(argv: list[str] | None = None) -> None:
         view.release()
         segment.close()
     print(f"  into touched memory {touched:6.2f}   into a new memfd {max(fresh_rates):6.2f}")
+    # A same-node client's first write into a tier segment's page: the page exists (the
+    # tier faulted it in), the client's new mapping of it does not yet.
+    fd = os.memfd_create("kvtier-bench-copies")
+    try:
+        os.ftruncate(fd, n)
+        with mmap.mmap(fd, n) as owner:
+            owner[:] = bytes(n)
+            remapped = []
+            for _ in range(max(1, args.repeat // 2)):
+                with mmap.mmap(fd, n) as mapping:
+                    view = memoryview(mapping)
+                    start = time.perf_counter()
+                    localwire.copy_checked(view, payload)
+                    remapped.append(n / (time.perf_counter() - start) / 1e9)
+                    view.release()
+    finally:
+        os.close(fd)
+    print(f"  copy_checked into a new mapping of existing pages {max(remapped):6.2f}")
 
     print("\na file in the page cache read into memory touched before:")
     with tempfile.NamedTemporaryFile(dir=args.dir) as f:
