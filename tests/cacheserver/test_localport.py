@@ -694,7 +694,13 @@ def test_a_value_held_only_on_disk_comes_back_from_its_record_file(disk_tier: Ti
         assert as_bytes(c.get([k for k, _ in items] + [b"absent"])) == [v for _, v in items] + [None]
     assert len(record_files(disk_tier)) == len(items)
     assert disk_tier.metric("kvtier_tier_hits_total", tier="disk") == len(items)
+    # Values only the disk tier takes reserve no tier memory: they are written to their
+    # record files from the staging segment, in one pass (Store.put_checked).
+    assert disk_tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 1
+    assert disk_tier.metric("kvtier_ram_shared_bytes") == 0
     with RawLocal(disk_tier.local_socket, "") as raw:
+        reply, _ = raw.reserve([MIB])
+        assert reply.status == Status.OK and reply.count == 0
         reply, entries = raw.get([k for k, _ in items], flags=lw.FLAG_FILES)
         assert reply.status == Status.OK and reply.extra == 0  # no segment: the files rode on the entries
         assert [e.place for e in entries] == [Place.FILE] * len(items)

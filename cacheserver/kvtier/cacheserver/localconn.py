@@ -496,8 +496,11 @@ class LocalConnection:
         self.reserved_held = self.core.reserve("LocalReserve.sizes", sum(sizes))
         reserved: dict[int, memoryview] = {}
         for i, size in enumerate(sizes):
-            view = self.arena.take(size, owner=tenant) if size else None
-            if view is None:  # small, or no room now: the client stages these values instead
+            # A value the disk tier alone takes is written from the staging segment in one
+            # pass (``Store.put_checked``): no tier memory for it.
+            staged = not size or self.core.store.writes_checked(size)
+            view = None if staged else self.arena.take(size, owner=tenant)
+            if view is None:  # small, no room now, or disk-only: the client stages these values
                 reserved.clear()
                 self._unreserve()
                 await self._send(lw.reply(Op.RESERVE, Status.OK))

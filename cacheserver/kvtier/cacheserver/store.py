@@ -253,19 +253,31 @@ class TieredStore:
         self.metrics.write_behind_depth.set(self.write_behind_depth())
         return stored
 
+    def writes_checked(self, size: int) -> bool:
+        """Whether ``put_checked`` stores a value of ``size`` bytes (rather than answer None)."""
+        return self._checked_writer(size) is not None
+
+    def _checked_writer(self, size: int) -> Tier | None:
+        top = self.tiers[0]
+        takers = self.tiers[1:] if isinstance(top, RamTier) and not top.lru.fits(size) else self.tiers
+        if len(takers) != 1 or not isinstance(takers[0], CheckedWriteTier):
+            return None
+        tier = takers[0]
+        if tier is not top and not self.policy.write_through:
+            return None
+        return tier
+
     async def put_checked(self, key: bytes, source: memoryview, checksum: int) -> bool | None:
         """Stores a value straight from ``source``, memory its sender can still change, when
         one tier alone would store it and can check it as it writes it (``CheckedWriteTier``:
         the RAM tier does not take values that large, and the one lower tier is written
         through); None when not (the caller copies the value first, checks it, then ``put``).
         ``ChecksumMismatch`` from the tier when what it wrote does not match ``checksum``."""
+        tier = self._checked_writer(source.nbytes)
+        if tier is None:
+            return None
+        assert isinstance(tier, CheckedWriteTier)
         top = self.tiers[0]
-        takers = self.tiers[1:] if isinstance(top, RamTier) and not top.lru.fits(source.nbytes) else self.tiers
-        if len(takers) != 1 or not isinstance(takers[0], CheckedWriteTier):
-            return None
-        tier = takers[0]
-        if tier is not top and not self.policy.write_through:
-            return None
         try:
             stored = await self._call(tier, "put", partial(tier.put_checked, key, source, checksum))
         except _Skip:
