@@ -12,10 +12,14 @@ bytes never cross the socket:
   sends RELEASE. Until then the connection holds a *lease*: views of those values, so
   their memory is not reused even if they are replaced, evicted or deleted meanwhile.
   A value not in a segment (small, or read from a lower tier) follows the reply inline.
-- **Put**: the connection gets a staging segment of its own (STAGE: a writable memfd,
-  reserved from ``--incoming-bytes`` while the connection keeps it). The client writes
-  values into it and sends PUT with their offsets, lengths and checksums; the tier
-  copies each into a new extent of its own segments (the client can never write
+- **Put**: the client reserves room (RESERVE: extents of its tenant's own segments,
+  whose read-write descriptors go to that tenant's connections only), writes each value
+  there and sends PUT with ``FLAG_RESERVED``; the tier stores the extents themselves,
+  with the checksums the client sent: one copy. Without room (or for a value only the
+  disk tier takes) the connection gets a staging segment of its own (STAGE: a writable
+  memfd, reserved from ``--incoming-bytes`` while the connection keeps it); the client
+  writes values into it and sends PUT with their offsets, lengths and checksums; the
+  tier copies each into a new extent of its own segments (the client can never write
   there), checks the checksum of what it copied, and stores it.
 
 This module is the listener: the socket file (a stale one replaced, a live one or
