@@ -163,12 +163,12 @@ async def test_a_buffer_some_view_still_sees_is_not_kept() -> None:
 async def test_a_full_tier_keeps_a_buffer_by_evicting_and_every_later_put_reuses_one() -> None:
     ram = RamTier(8 * MIB, recycle_bytes=2 * MIB)
     for i in range(4):  # the fourth fills the tier: the oldest value is evicted into the pool
-        buf = ram.receive_buffer(2 * MIB)
+        buf = ram.receive_buffer(2 * MIB, "default")
         buf[:] = value(2 * MIB, i)
         await ram.put(b"k%d" % i, memoryview(buf).toreadonly())
     assert (ram.lru.used, ram.pool.bytes, ram.pool.reused) == (6 * MIB, 2 * MIB, 0)
     for i in range(4, 10):
-        buf = ram.receive_buffer(2 * MIB)
+        buf = ram.receive_buffer(2 * MIB, "default")
         buf[:] = value(2 * MIB, i)
         await ram.put(b"k%d" % i, memoryview(buf).toreadonly())
         assert (ram.lru.used, ram.pool.bytes, ram.pool.reused) == (6 * MIB, 2 * MIB, i - 3)
@@ -188,7 +188,7 @@ async def test_a_pool_full_of_one_size_makes_room_for_the_next_size() -> None:
     await ram.put(b"big", received(value(2 * MIB, 1)))
     await ram.put(b"big", received(value(2 * MIB, 2)))  # the first one's buffer is kept
     assert ram.pool.bytes == 4 * MIB  # two 1 MiB buffers made room for it
-    buf = ram.receive_buffer(2 * MIB)
+    buf = ram.receive_buffer(2 * MIB, "default")
     assert ram.pool.reused == 1 and bytes(buf) == value(2 * MIB, 1)  # the dropped value's memory
     assert ram.lru.used + ram.pool.bytes <= 256 * MIB
 

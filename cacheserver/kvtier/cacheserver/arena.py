@@ -24,25 +24,31 @@ How memory is handed out and taken back:
   anybody may still read, and a value's memory is reused only once nobody can.
 - Free extents are coalesced and reused; their pages stay mapped (as the recycled
   buffers of ``kvtier.proto.buffers`` do), so a reused extent costs no page faults.
-  Segments are never shrunk or closed while the server runs (clients map them).
+  The tier's sealed segments are never shrunk or closed while the server runs (clients
+  map them); a tenant's writable ones may be (below).
+- **Every segment holds one tenant's values** (``owner``): a Get hands a client
+  descriptors of whole segments, so a segment shared by tenants would let one read
+  another's values. Each tenant has its own sealed segments (``take(size, tenant)``)
+  and its own writable ones (``writable=True``).
 
 A value's checksum (xxh3-64, ``kvtier.proto.localwire.checksum``) is kept with its
 extent: set by the same-node Put that copied it in, computed on first use otherwise
 (the extent's bytes never change while it is in use).
 
-**A tenant's own segments** (``take(size, owner=tenant)``): a same-node Put of one copy
+**A tenant's writable segments** (``take(size, tenant, writable=True)``): a same-node Put of one copy
 (RESERVE, then PUT with ``FLAG_RESERVED``) has the client write a value straight into
 tier memory. The tier cannot take a writable mapping back from another process, so
-such memory is only ever used for values of the tenant whose clients got it: an
-owner's segments are sealed against a change of size only (no ``F_SEAL_FUTURE_WRITE``),
+such memory is only ever used for values of the tenant whose clients got it: these
+segments are sealed against a change of size only (no ``F_SEAL_FUTURE_WRITE``),
 their read-write descriptor goes to that tenant's connections, and their extents are
 never handed to anybody else. A client can thus change its own tenant's values after
 storing them, as it could have stored other bytes in the first place: readers on the
 node check the checksum recorded when the value was stored; copies to lower tiers and
 replies over TCP carry what that tenant's memory holds. No other tenant's value is ever
-in it. An owner's segment that is wholly free
-is closed when another segment needs its room: its pages are released first (hole
-punched), so mappings clients keep cost no memory, and its id is never used again.
+in it. A writable segment that is wholly free is closed when another segment needs its
+room: its pages are released first (hole punched), so the mappings clients keep of it
+cost no memory (unless a client writes into its stale mapping again: then its own), and
+its id is never used again. Revoking a token does not unmap what its holder was given.
 Before a reservation is handed out the tier faults its pages in through its own mapping
 (``populate``, once per page): memory is charged to the cgroup that first touches it, and
 tier memory must count against the tier's pod, not against the engine that writes it
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -64,8 +71,7 @@ from kvtier.proto.localwire import checksum
 
 PAGE = mmap.PAGESIZE
 SHARED_MIN = 64 << 10  # smaller values stay on the heap (a page each would waste memory)
-SEGMENT_BYTES = 1 << 30  # a segment's size (a larger value gets a segment of its own)
-OWNED_BYTES = 256 << 20  # a tenant's own segment's size (smaller: it serves one tenant)
+SEGMENT_BYTES = 256 << 20  # a segment's size (a larger value gets a segment of its own)
 _ATTR = "_kvtier_extent"
 F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (Linux 5.1); Python's fcntl does not name it
 MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14)
@@ -91,15 +97,16 @@ def sealed_memfd(name: str, size: int, seals: int) -> tuple[int, mmap.mmap]:
 
 
 class Segment:
-    """One memfd: the tier's read-write mapping and the read-only fd handed to clients
-    (and, for a tenant's own segment, ``fd``, read-write, to that tenant's clients)."""
+    """One memfd of one tenant's values: the tier's read-write mapping and the read-only
+    fd handed to that tenant's clients (and, for a writable segment, ``fd``, read-write)."""
 
-    def __init__(self, segment_id: int, size: int, owner: str | None = None) -> None:
+    def __init__(self, segment_id: int, size: int, owner: str, writable: bool = False) -> None:
         self.id = segment_id
         self.size = size
         self.owner = owner
+        self.writable = writable
         self.fd, self.map = sealed_memfd(
-            f"kvtier-ram-{segment_id}", size, SEALS if owner is not None else SEALS | F_SEAL_FUTURE_WRITE
+            f"kvtier-ram-{segment_id}", size, SEALS if writable else SEALS | F_SEAL_FUTURE_WRITE
         )
         try:
             self.read_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -109,8 +116,8 @@ class Segment:
         exporter = ctypes.c_char.from_buffer(self.map)
         self.address = ctypes.addressof(exporter)  # valid while the map is open
         del exporter
-        # a tenant's own segment: which pages the tier has faulted in (one byte per page)
-        self.populated = bytearray(size // PAGE if owner is not None else 0)
+        # a writable segment: which pages the tier has faulted in (one byte per page)
+        self.populated = bytearray(size // PAGE if writable else 0)
 
     def populate(self, offset: int, span: int) -> None:
         """Faults the pages of ``span`` bytes at ``offset`` in through the tier's mapping, once
@@ -120,6 +127,9 @@ class Segment:
             return
         where = ctypes.c_void_p(self.address + offset)
         if _libc.madvise(where, ctypes.c_size_t(span), MADV_POPULATE_WRITE) != 0:
+            error = ctypes.get_errno()
+            if error != errno.EINVAL:  # out of memory, ...: no reservation
+                raise OSError(error, f"madvise(MADV_POPULATE_WRITE): {os.strerror(error)}")
             ctypes.memset(where, 0, span)  # before Linux 5.14 (the extent is free: about to be written)
         self.populated[first:last] = b"\x01" * (last - first)
 
@@ -127,7 +137,7 @@ class Segment:
         return self.free == [(0, self.size)]
 
     def close(self) -> None:
-        if self.owner is not None:  # clients may keep it mapped: its pages go now
+        if self.writable:  # clients may keep it mapped: its pages go now
             with contextlib.suppress(OSError):
                 _punch(self.fd, self.size)
         with contextlib.suppress(OSError):
@@ -165,14 +175,17 @@ class SharedArena:
         self._extents: dict[int, Extent] = {}
         self._dead: list[Extent] = []  # appended from weakref callbacks, any thread
 
-    def take(self, size: int, owner: str | None = None) -> memoryview | None:
-        """A writable view of ``size`` bytes of shared memory, or None (small, or no room);
-        ``owner``: from that tenant's own segments (which its clients may write)."""
+    def take(self, size: int, tenant: str, writable: bool = False) -> memoryview | None:
+        """A writable view of ``size`` bytes of ``tenant``'s shared memory, or None (small,
+        or no room); ``writable``: from the segments that tenant's clients may write."""
         if size < SHARED_MIN:
             return None
         self.reclaim()
         span = _pages(size)
-        where = self._alloc(span, owner)
+        try:
+            where = self._alloc(span, tenant, writable)
+        except OSError:  # no memfd now (out of descriptors or memory): the heap, or staging
+            where = None
         if where is None:
             self.fallbacks += 1
             return None
@@ -206,15 +219,19 @@ class SharedArena:
         return extent.checksum
 
     def unpopulated(self, extent: Extent) -> bool:
-        """Whether some page of a tenant's own extent was never faulted in by the tier."""
+        """Whether some page of a writable extent was never faulted in by the tier."""
         segment = self.segments[extent.segment]
         first = extent.offset // PAGE
         return segment.populated.find(0, first, first + extent.span // PAGE) >= 0
 
-    def populate(self, *extents: Extent) -> None:
-        """``Segment.populate`` for extents the caller holds (any thread)."""
-        for extent in extents:
-            self.segments[extent.segment].populate(extent.offset, extent.span)
+    def populate(self, views: list[memoryview]) -> None:
+        """``Segment.populate`` for the extents of ``views`` (any thread: the views keep
+        the segments mapped while it runs)."""
+        for view in views:
+            extent = self.locate(view)
+            segment = None if extent is None else self.segments.get(extent.segment)
+            if extent is not None and segment is not None:
+                segment.populate(extent.offset, extent.span)
 
     def live_bytes(self) -> int:
         """Bytes of extents still viewed (readable from any thread: changes nothing)."""
@@ -236,10 +253,10 @@ class SharedArena:
             segment.close()
         self.segments.clear()
 
-    def _alloc(self, span: int, owner: str | None) -> tuple[Segment, int] | None:
+    def _alloc(self, span: int, owner: str, writable: bool) -> tuple[Segment, int] | None:
         best: tuple[Segment, int, int] | None = None  # segment, index in its free list, length
         for segment in self.segments.values():
-            if segment.owner != owner:
+            if segment.owner != owner or segment.writable != writable:
                 continue
             for i, (_offset, length) in enumerate(segment.free):
                 if length >= span and (best is None or length < best[2]):
@@ -247,12 +264,12 @@ class SharedArena:
                     if length == span:
                         break
         if best is None:
-            size = max(self.segment_bytes if owner is None else min(self.segment_bytes, OWNED_BYTES), span)
+            size = max(self.segment_bytes, span)
             if self.total_bytes + size > self.limit_bytes:
                 self._close_idle(self.total_bytes + size - self.limit_bytes)
             if self.total_bytes + size > self.limit_bytes and self.segments:
                 return None
-            segment = Segment(self._next_id, size, owner)
+            segment = Segment(self._next_id, size, owner, writable)
             self._next_id += 1
             self.segments[segment.id] = segment
             self.total_bytes += size
@@ -267,12 +284,12 @@ class SharedArena:
 
 
     def _close_idle(self, want: int) -> None:
-        """Closes wholly free tenants' own segments until ``want`` bytes are freed (the
-        tier's own stay: they cannot be punched, and clients keep them mapped)."""
+        """Closes wholly free writable segments until ``want`` bytes are freed (sealed ones
+        stay: they cannot be punched, and clients keep them mapped)."""
         for segment in list(self.segments.values()):
             if want <= 0:
                 return
-            if segment.owner is not None and segment.idle():
+            if segment.writable and segment.idle():
                 del self.segments[segment.id]
                 self.total_bytes -= segment.size
                 want -= segment.size

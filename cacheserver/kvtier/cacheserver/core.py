@@ -204,10 +204,10 @@ class RequestCore:
         allocated; raises Overloaded (naming ``field``) when the budget cannot take them."""
         return self.budget.reserve(field, size)
 
-    def receive_buffer(self, length: int) -> bytearray | memoryview:
-        """A buffer to receive a value of ``length`` bytes into (recycled when the RAM tier
-        has one): fill it whole before ``store``, it may hold an old value's bytes."""
-        return self.store.receive_buffer(length)
+    def receive_buffer(self, length: int, tenant: str) -> bytearray | memoryview:
+        """A buffer to receive a value of ``length`` bytes of ``tenant``'s into (recycled when
+        the RAM tier has one): fill it whole before ``store``, it may hold an old value's bytes."""
+        return self.store.receive_buffer(length, tenant)
 
     async def store_value(self, tenant: str, key: bytes, value: Value) -> bool:
         """Stores a whole value; False when no tier would take it (larger than every tier)."""

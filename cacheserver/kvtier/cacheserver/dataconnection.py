@@ -353,7 +353,7 @@ class DataConnection:
                 if refused is not None:
                     await self._discard(length)
                     continue
-                buf = self.core.receive_buffer(length)
+                buf = self.core.receive_buffer(length, tenant)
                 await self._recv(memoryview(buf))  # a cut here stores nothing of this value
                 if await self.core.store_value(tenant, key, memoryview(buf).toreadonly()):
                     stored += 1

@@ -18,12 +18,15 @@ requests (``kvtier.proto.localwire``) until EOF, a stream it cannot parse, a sta
   none while the client has not read everything sent to it before (values then go
   inline): descriptors in flight count against the tier's own limit.
 - A RESERVE takes extents for the values of the next PUT in the tenant's own segments
-  (``SharedArena.take(owner=tenant)``), whose read-write descriptors go with the reply;
+  (``SharedArena.take(tenant, writable=True)``), whose read-write descriptors go with the reply;
   the client writes each value into its extent, hashing it as it copies, and PUT with
   ``FLAG_RESERVED`` stores the extent itself with the checksum the client sent: one copy
-  in all, and the tier never reads the value. A connection holds one RESERVE's extents
-  (counted against ``--incoming-bytes``) until they are stored, the next RESERVE, a
-  HELLO, or its end.
+  in all, and the tier does not read the value to store it. A connection holds one
+  RESERVE's extents (counted against ``--incoming-bytes``) until they are stored, the
+  next RESERVE, a HELLO, or its end; when the tier ends a connection (a timeout, a
+  stream it cannot parse, shutdown) the extents it had not stored are kept out of reuse
+  for ``--data-timeout`` more (its client may still be copying into one, and another
+  connection of its tenant must not get it meanwhile).
 
   Trust: the tier records the writer's checksum without re-reading the value. Memory a
   tenant's clients can write stays writable by them after any check the tier could make
@@ -147,6 +150,7 @@ class LocalConnection:
         self.reserved: dict[int, memoryview] = {}  # the last RESERVE's extents, by index
         self.reserved_tenant = ""
         self.reserved_held: Reservation | None = None
+        self.peer_closed = False
 
     async def serve(self) -> None:
         head = bytearray(lw.REQUEST.size)
@@ -173,6 +177,7 @@ class LocalConnection:
                         )
                     return
                 if not got:
+                    self.peer_closed = True  # it writes nothing more
                     return
                 self.idle = False
                 if not await self._request(head):
@@ -184,6 +189,9 @@ class LocalConnection:
                 self.sock.shutdown(socket.SHUT_RDWR)  # first: the client must see the end ...
             self.sock.close()
             self._release()  # ... before its lease's memory can be reused
+            if self.reserved and not self.peer_closed:  # the client may still be writing them
+                held = list(self.reserved.values())
+                asyncio.get_running_loop().call_later(self.timeout_s, held.clear)
             self._unreserve()
             if self.staging is not None:
                 self.staging.close()
@@ -499,7 +507,7 @@ class LocalConnection:
             # A value the disk tier alone takes is written from the staging segment in one
             # pass (``Store.put_checked``): no tier memory for it.
             staged = not size or self.core.store.writes_checked(size)
-            view = None if staged else self.arena.take(size, owner=tenant)
+            view = None if staged else self.arena.take(size, tenant, writable=True)
             if view is None:  # small, no room now, or disk-only: the client stages these values
                 reserved.clear()
                 self._unreserve()
@@ -510,7 +518,7 @@ class LocalConnection:
         extents = [self.arena.locate(view) for view in reserved.values()]
         cold = [e for e in extents if e is not None and self.arena.unpopulated(e)]
         if cold:  # the tier's pages, charged to the tier: faulted in before the client writes
-            await asyncio.to_thread(self.arena.populate, *cold)
+            await asyncio.to_thread(self.arena.populate, list(reserved.values()))
         places = bytearray()
         handed: list[Segment] = []
         for extent in extents:
@@ -540,7 +548,7 @@ class LocalConnection:
         for i, (key, index, length, crc) in enumerate(items):
             view = self.reserved.pop(index, None)
             if view is None or view.nbytes != length:
-                held = "not held" if view is None else f"{view.nbytes} bytes"
+                held = "not held (never reserved, or stored or refused already)" if view is None else f"{view.nbytes} bytes"
                 raise _PutRefused(
                     InvalidRequest(
                         f"LocalPut.values[{i}].length: {length} bytes into reservation {index}, "
@@ -601,7 +609,7 @@ class LocalConnection:
 
     async def _store_copy(self, tenant: str, key: bytes, source: memoryview, crc: int) -> bool:
         """Stores a copy of ``source`` in the tier's own memory, checked on what was copied."""
-        buf = memoryview(self.core.receive_buffer(source.nbytes))
+        buf = memoryview(self.core.receive_buffer(source.nbytes, tenant))
         got = lw.copy_checked(buf, source)
         if got != crc:
             raise ChecksumMismatch(f"the bytes copied hash to {got:#x}, not the checksum {crc:#x} sent")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from kvtier.cacheserver.arena import SharedArena
 from kvtier.cacheserver.lru import ByteLru
+from kvtier.cacheserver.namespace import tenant_of
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 from kvtier.proto.buffers import BufferPool
 
@@ -69,7 +70,7 @@ class RamTier:
                 self._forget(key)
             return False
         if self.arena is not None and self.arena.locate(data) is None:
-            shared = self.arena.take(size)
+            shared = self.arena.take(size, tenant_of(key))
             if shared is not None:  # served from shared memory to same-node clients
                 shared[:] = memoryview(data).cast("B")
                 data = shared.toreadonly()
@@ -123,11 +124,11 @@ class RamTier:
     def tenant_usages(self) -> dict[str, TierUsage]:
         return self.lru.tenant_usages()
 
-    def receive_buffer(self, size: int) -> bytearray | memoryview:
-        """A buffer to receive a value of ``size`` bytes into: shared memory with an arena,
-        else recycled when the pool has one."""
+    def receive_buffer(self, size: int, tenant: str) -> bytearray | memoryview:
+        """A buffer to receive a value of ``size`` bytes of ``tenant``'s into: that tenant's
+        shared memory with an arena, else recycled when the pool has one."""
         if self.arena is not None:
-            shared = self.arena.take(size)
+            shared = self.arena.take(size, tenant)
             if shared is not None:
                 return shared
         return self.pool.take(size)

@@ -131,7 +131,7 @@ class CacheServicer:
                         filled = n
                     else:
                         held = self.core.reserve("PutFrame.total_length", total)
-                        buf = self.core.receive_buffer(total)  # stored only once filled whole
+                        buf = self.core.receive_buffer(total, tenant)  # stored only once filled whole
                 elif key is None:
                     raise InvalidRequest("PutFrame.key: the first frame of a value must carry its key")
                 else:

@@ -176,13 +176,14 @@ class TieredStore:
     def write_behind_depth(self) -> int:
         return sum(len(wb.pending) for wb in self._behind.values())
 
-    def receive_buffer(self, size: int) -> bytearray | memoryview:
-        """A buffer to receive a value of ``size`` bytes into: recycled by the RAM tier if it can.
+    def receive_buffer(self, size: int, tenant: str) -> bytearray | memoryview:
+        """A buffer to receive a value of ``size`` bytes of ``tenant``'s into: recycled by the
+        RAM tier if it can.
 
         Fill it whole before ``put``: a recycled buffer still holds an old value's bytes.
         """
         top = self.tiers[0]
-        return top.receive_buffer(size) if isinstance(top, RamTier) else bytearray(size)
+        return top.receive_buffer(size, tenant) if isinstance(top, RamTier) else bytearray(size)
 
     # -- operations ---------------------------------------------------------------
 

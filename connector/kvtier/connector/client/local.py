@@ -332,9 +332,10 @@ class LocalTransport(ConnectionPool[_Conn]):
                     total += lengths[end]
                     end += 1
                 places = self._reserve(conn, lengths[start:end], deadline)
-                if places is None:  # no room in the tier's memory now: through the staging segment
-                    return stored + self._put_staged(conn, values[start:], lengths[start:], deadline)
-                stored += self._put_reserved(conn, values[start:end], lengths[start:end], places, deadline)
+                if places is None:  # no room, a small or a disk-only value: through the staging segment
+                    stored += self._put_staged(conn, values[start:end], lengths[start:end], deadline)
+                else:
+                    stored += self._put_reserved(conn, values[start:end], lengths[start:end], places, deadline)
                 start = end
             return stored
 
@@ -349,7 +350,7 @@ class LocalTransport(ConnectionPool[_Conn]):
         try:
             count, segments, _ = conn.reply(Op.RESERVE, deadline)
         except Refused as exc:  # over the tier's incoming budget now: staged values wait for room
-            if exc.status in (Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED):
+            if exc.status == Status.UNAVAILABLE:
                 return None
             raise
         conn.map_segments(segments, deadline, writable=True)
