@@ -218,9 +218,12 @@ class SharedArena:
             extent.checksum = checksum(value)
         return extent.checksum
 
-    def unpopulated(self, extent: Extent) -> bool:
-        """Whether some page of a writable extent was never faulted in by the tier."""
-        segment = self.segments[extent.segment]
+    def unpopulated(self, view: memoryview) -> bool:
+        """Whether some page of a writable extent (``take``'s view) was never faulted in."""
+        extent = self.locate(view)
+        segment = None if extent is None else self.segments.get(extent.segment)
+        if extent is None or segment is None:
+            return False
         first = extent.offset // PAGE
         return segment.populated.find(0, first, first + extent.span // PAGE) >= 0
 

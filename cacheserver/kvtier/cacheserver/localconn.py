@@ -502,26 +502,16 @@ class LocalConnection:
         for i, size in enumerate(sizes):
             self.core.check_value_length(f"LocalReserve.sizes[{i}]", size)
         self.reserved_held = self.core.reserve("LocalReserve.sizes", sum(sizes))
-        reserved: dict[int, memoryview] = {}
-        for i, size in enumerate(sizes):
-            # A value the disk tier alone takes is written from the staging segment in one
-            # pass (``Store.put_checked``): no tier memory for it.
-            staged = not size or self.core.store.writes_checked(size)
-            view = None if staged else self.arena.take(size, tenant, writable=True)
-            if view is None:  # small, no room now, or disk-only: the client stages these values
-                reserved.clear()
-                self._unreserve()
-                await self._send(lw.reply(Op.RESERVE, Status.OK))
-                return
-            reserved[i] = view
+        reserved = await self._take(sizes, tenant)
+        if reserved is None:  # the client stages these values instead
+            self._unreserve()
+            await self._send(lw.reply(Op.RESERVE, Status.OK))
+            return
         self.reserved, self.reserved_tenant = reserved, tenant
-        extents = [self.arena.locate(view) for view in reserved.values()]
-        cold = [e for e in extents if e is not None and self.arena.unpopulated(e)]
-        if cold:  # the tier's pages, charged to the tier: faulted in before the client writes
-            await asyncio.to_thread(self.arena.populate, list(reserved.values()))
         places = bytearray()
         handed: list[Segment] = []
-        for extent in extents:
+        for view in reserved.values():
+            extent = self.arena.locate(view)
             assert extent is not None
             segment = self.arena.segments[extent.segment]
             if extent.segment not in self.writable and segment not in handed:
@@ -532,6 +522,29 @@ class LocalConnection:
         self.writable.update(s.id for s in handed)
         self.segments.update(s.id for s in handed)
         await self._send(places)
+
+    async def _take(self, sizes: list[int], tenant: str) -> dict[int, memoryview] | None:
+        """Extents for values of ``sizes`` in the tenant's writable segments, their pages
+        faulted in by the tier (so they are charged to it, not to the client that writes
+        them first); None when a value is small, only the disk tier takes it (it is written
+        from the staging segment in one pass, ``Store.put_checked``), or no room or memory
+        is left now."""
+        reserved: dict[int, memoryview] = {}
+        for i, size in enumerate(sizes):
+            if not size or self.core.store.writes_checked(size):
+                return None
+            view = self.arena.take(size, tenant, writable=True)
+            if view is None:
+                return None
+            reserved[i] = view
+        cold = [v for v in reserved.values() if self.arena.unpopulated(v)]
+        if cold:
+            try:
+                await asyncio.to_thread(self.arena.populate, cold)
+            except OSError as exc:  # out of memory
+                logger.warning("local socket: cannot fault reserved memory in (%s)", exc)
+                return None
+        return reserved
 
     def _unreserve(self) -> None:
         self.reserved = {}  # the views go: their extents are free once nothing else holds them
