@@ -244,7 +244,7 @@ async def test_open_record_hands_over_the_record_file_with_its_header_checked(
     if path == "in a thread":  # as when the header is not in the page cache
         monkeypatch.setattr(record, "open_file_nowait", lambda *_: None)
         blocking = record.open_file
-        monkeypatch.setattr(record, "open_file", lambda p, k: (opens.append(p), blocking(p, k))[1])
+        monkeypatch.setattr(record, "open_file", lambda p, k: (opens.append(Path(p)), blocking(p, k))[1])
     else:
         probe = record.open_file_nowait(file, b"k")
         if probe is None:

@@ -167,6 +167,7 @@ class DiskTier:
         self.counters = TierCounters()
         self.lru = ByteLru(capacity_bytes, tenant_quota_bytes)  # the index: key -> record size
         self._root = directory / "v1"
+        self._root_str = str(self._root)
         self._tmp = directory / "tmp"
         # Keys whose file is being written (indexed already, renamed into place at the end).
         self._writing: dict[bytes, asyncio.Task[bool]] = {}
@@ -224,7 +225,7 @@ class DiskTier:
         if key not in self.lru:
             self.counters.miss(key)
             return None
-        path = self._path(key)
+        path = self._file(key)
         writes = self._writes_done
         try:
             # The record comes back through ``read``, not as the future's result: an
@@ -253,7 +254,7 @@ class DiskTier:
         if key not in self.lru:
             self.counters.miss(key)
             return None
-        path = self._path(key)
+        path = self._file(key)
         writes = self._writes_done
         try:
             opened = record.open_file_nowait(path, key)  # here when that needs no I/O
@@ -404,9 +405,14 @@ class DiskTier:
 
     # -- internals ----------------------------------------------------------------
 
-    def _path(self, key: bytes) -> Path:
+    def _file(self, key: bytes) -> str:
+        """The path of ``key``'s record file (a string: a ``Path`` per Get cost 2% of a
+        same-node 1 MiB GET's tier CPU)."""
         name = _file_name(key)
-        return self._root / name[:2] / name
+        return f"{self._root_str}/{name[:2]}/{name}"
+
+    def _path(self, key: bytes) -> Path:
+        return Path(self._file(key))
 
     async def _unlink_evicted(self, victims: list[bytes]) -> None:
         if victims:
@@ -471,11 +477,11 @@ def _close_opened(opening: asyncio.Future[record.RecordFile]) -> None:
         opening.result().close()
 
 
-def _read_file(path: Path, buffers: ReadBuffers, out: list[memoryview]) -> None:
+def _read_file(path: str, buffers: ReadBuffers, out: list[memoryview]) -> None:
     """Appends to ``out`` the whole record at ``path``, read into a buffer of ``buffers``
     (its first bytes, if the file is shorter than its size said: the record's length
     check catches that)."""
-    with path.open("rb", buffering=0) as f:
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = buffers.take(size)
         view = memoryview(buf)

@@ -33,6 +33,9 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+# openat2's arguments, made once (read only by the kernel): read-only, in the dentry cache
+_HOW = ctypes.byref(_OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED))
+_HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
 _libc: ctypes.CDLL | None = None
 _enabled = sys.platform == "linux" and hasattr(os, "RWF_NOWAIT")
 if _enabled:
@@ -46,10 +49,7 @@ def open_cached(path: str | os.PathLike[str]) -> int | None:
     global _enabled
     if not _enabled or _libc is None:
         return None
-    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED)
-    fd = int(_libc.syscall(
-        _SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))
-    ))  # fmt: skip
+    fd = int(_libc.syscall(_SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), _HOW, _HOW_SIZE))
     if fd >= 0:
         return fd
     if ctypes.get_errno() in _UNSUPPORTED:

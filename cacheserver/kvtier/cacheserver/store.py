@@ -126,7 +126,8 @@ class TieredStore:
         self.policy = policy
         self.metrics = metrics
         self._healthy = {t.name: True for t in self.tiers}
-        self._file_tiers = {t.name for t in self.tiers if isinstance(t, FileTier)}  # checked once
+        # checked once: an isinstance of a Protocol costs as much as opening a record file
+        self._file_tiers = {t.name: t for t in self.tiers if isinstance(t, FileTier)}
         self._behind = {
             t.name: _WriteBehind(policy.write_behind_values, policy.write_behind_bytes)
             for t in self.tiers[1:]
@@ -219,9 +220,10 @@ class TieredStore:
             held = pending.held(key) if pending is not None else None
             if held is not None:
                 return held
-            if files and tier.name in self._file_tiers and isinstance(tier, FileTier):
+            file_tier = self._file_tiers.get(tier.name) if files else None
+            if file_tier is not None:
                 with contextlib.suppress(_Skip):
-                    opened = await self._call(tier, "get", partial(tier.open_record, key))
+                    opened = await self._call(tier, "get", partial(file_tier.open_record, key))
                     if opened is not None:
                         return opened
                 continue
@@ -345,7 +347,13 @@ class TieredStore:
         if not self._healthy[tier.name]:
             raise _Skip
         try:
-            return await asyncio.wait_for(fn(), self.policy.tier_timeout_s)
+            if tier is self.tiers[0]:  # RAM: never waits, so no deadline (a timer per key)
+                return await fn()
+            # asyncio.timeout, not wait_for: wait_for runs ``fn`` in a task of its own (one
+            # more trip around the event loop for every key in every tier asked), where
+            # this runs it in the caller's task and costs one timer
+            async with asyncio.timeout(self.policy.tier_timeout_s):
+                return await fn()
         except (TierFailure, TimeoutError, OSError) as exc:
             self._mark_failed(tier, op, exc)
             raise _Skip from exc
