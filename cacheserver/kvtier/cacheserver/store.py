@@ -128,6 +128,7 @@ class TieredStore:
         self._healthy = {t.name: True for t in self.tiers}
         # checked once: an isinstance of a Protocol costs as much as opening a record file
         self._file_tiers = {t.name: t for t in self.tiers if isinstance(t, FileTier)}
+        self._checked_tiers = {t.name: t for t in self.tiers if isinstance(t, CheckedWriteTier)}
         self._behind = {
             t.name: _WriteBehind(policy.write_behind_values, policy.write_behind_bytes)
             for t in self.tiers[1:]
@@ -263,7 +264,7 @@ class TieredStore:
     def _checked_writer(self, size: int) -> Tier | None:
         top = self.tiers[0]
         takers = self.tiers[1:] if isinstance(top, RamTier) and not top.lru.fits(size) else self.tiers
-        if len(takers) != 1 or not isinstance(takers[0], CheckedWriteTier):
+        if len(takers) != 1 or takers[0].name not in self._checked_tiers:
             return None
         tier = takers[0]
         if tier is not top and not self.policy.write_through:
@@ -279,10 +280,10 @@ class TieredStore:
         tier = self._checked_writer(source.nbytes)
         if tier is None:
             return None
-        assert isinstance(tier, CheckedWriteTier)
         top = self.tiers[0]
+        put = self._checked_tiers[tier.name].put_checked
         try:
-            stored = await self._call(tier, "put", partial(tier.put_checked, key, source, checksum))
+            stored = await self._call(tier, "put", partial(put, key, source, checksum))
         except _Skip:
             return False
         if stored and tier is not top:
