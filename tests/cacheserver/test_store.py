@@ -157,6 +157,52 @@ class GatedDisk(DiskTier):
         return await super().put(key, value)
 
 
+async def test_a_lower_tier_call_past_the_tier_timeout_fails_that_tier_and_a_cancel_from_outside_does_not(
+    tmp_path: Path,
+) -> None:
+    """The store's own deadline (``tier_timeout_s``), not the tier's: a disk write that
+    hangs is given up after the deadline, the disk tier counted failing and the RAM
+    copy kept; a caller cancelled from outside while a tier call is under way is
+    cancelled (not a timeout) and the tier stays healthy."""
+    ram = RamTier(1 << 20)
+    disk = GatedDisk(tmp_path, 100 << 20)
+    await disk.open()
+    metrics = ServerMetrics(CollectorRegistry())
+    policy = StorePolicy(write_through=True, tier_timeout_s=0.2, probe_interval_s=60)
+    store = TieredStore([ram, disk], policy, metrics)
+    store.start()
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await asyncio.wait_for(store.put(b"hung", b"v" * 1000), 10), "RAM holds it"
+        assert 0.2 <= loop.time() - started < 2
+        assert not store.is_healthy("disk")
+        assert sample(metrics, "kvtier_tier_errors_total", tier="disk", op="put") == 1
+        got = await store.get(b"hung")
+        assert got is not None and bytes(got) == b"v" * 1000
+
+        disk2 = GatedDisk(tmp_path / "second", 100 << 20)
+        await disk2.open()
+        metrics2 = ServerMetrics(CollectorRegistry())
+        slow = StorePolicy(write_through=True, tier_timeout_s=30, probe_interval_s=60)
+        store2 = TieredStore([RamTier(1 << 20), disk2], slow, metrics2)
+        store2.start()
+        try:
+            put = asyncio.ensure_future(store2.put(b"k", b"v"))
+            await asyncio.wait_for(disk2.writing.wait(), 5)
+            put.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await put
+            assert store2.is_healthy("disk")
+            assert sample(metrics2, "kvtier_tier_errors_total", tier="disk", op="put") == 0
+        finally:
+            disk2.gate.set()
+            await store2.close()
+    finally:
+        disk.gate.set()
+        await store.close()
+
+
 async def test_a_value_evicted_from_ram_while_its_disk_copy_is_being_written_is_still_found(tmp_path: Path) -> None:
     ram = RamTier(1 << 20)
     disk = GatedDisk(tmp_path, 100 << 20)

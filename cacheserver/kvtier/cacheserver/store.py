@@ -129,6 +129,9 @@ class TieredStore:
         # checked once: an isinstance of a Protocol costs as much as opening a record file
         self._file_tiers = {t.name: t for t in self.tiers if isinstance(t, FileTier)}
         self._checked_tiers = {t.name: t for t in self.tiers if isinstance(t, CheckedWriteTier)}
+        # A RAM tier on top never waits (no await in it): its calls get no deadline, which
+        # cost a timer per key
+        self._untimed = self.tiers[0] if isinstance(self.tiers[0], RamTier) else None
         self._behind = {
             t.name: _WriteBehind(policy.write_behind_values, policy.write_behind_bytes)
             for t in self.tiers[1:]
@@ -348,11 +351,11 @@ class TieredStore:
         if not self._healthy[tier.name]:
             raise _Skip
         try:
-            if tier is self.tiers[0]:  # RAM: never waits, so no deadline (a timer per key)
+            if tier is self._untimed:
                 return await fn()
-            # asyncio.timeout, not wait_for: wait_for runs ``fn`` in a task of its own (one
-            # more trip around the event loop for every key in every tier asked), where
-            # this runs it in the caller's task and costs one timer
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs ``fn`` in a task
+            # of its own (one more trip around the event loop for every key in every tier
+            # asked), where this runs it in the caller's task and costs one timer
             async with asyncio.timeout(self.policy.tier_timeout_s):
                 return await fn()
         except (TierFailure, TimeoutError, OSError) as exc:
