@@ -11,10 +11,13 @@ import pytest
 import xxhash
 from prometheus_client import CollectorRegistry
 
+from kvtier.cacheserver.core import YIELD_EVERY_KEYS, RequestCore
 from kvtier.cacheserver.disk import DiskTier
 from kvtier.cacheserver.errors import ChecksumMismatch
 from kvtier.cacheserver.metrics import ServerMetrics
+from kvtier.cacheserver.namespace import DEFAULT_TENANT, scoped
 from kvtier.cacheserver.ram import RamTier
+from kvtier.cacheserver.settings import Settings
 from kvtier.cacheserver.store import StorePolicy, TieredStore
 
 
@@ -224,3 +227,31 @@ async def test_a_value_evicted_from_ram_while_its_disk_copy_is_being_written_is_
     finally:
         disk.gate.set()
         await store.close()
+
+
+async def test_a_get_of_many_ram_hits_gives_other_connections_a_turn_between_its_keys() -> None:
+    """A RAM hit never waits, so nothing in a Get's path gives up the event loop by
+    itself: the request core does, every ``YIELD_EVERY_KEYS`` keys."""
+    metrics = ServerMetrics(CollectorRegistry())
+    store = TieredStore([RamTier(64 << 20)], StorePolicy(), metrics)
+    core = RequestCore(store, Settings(), metrics)
+    keys = [b"k%d" % i for i in range(1000)]
+    for key in keys:
+        assert await store.put(scoped(DEFAULT_TENANT, key), b"v")
+    turns = 0
+
+    async def other_connection() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.ensure_future(other_connection())
+    await asyncio.sleep(0)
+    before = turns
+    try:
+        got = [value async for _, value in core.get(DEFAULT_TENANT, keys, False)]
+    finally:
+        other.cancel()
+    assert got == [b"v"] * len(keys)
+    assert turns - before >= len(keys) // YIELD_EVERY_KEYS - 1

@@ -25,6 +25,7 @@ a buffer the core handed out (``receive_buffer``) or any buffer the edge has
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ from kvtier.cacheserver.namespace import DEFAULT_TENANT, scoped
 from kvtier.cacheserver.record import RecordFile
 from kvtier.cacheserver.settings import Settings
 from kvtier.cacheserver.store import TieredStore
+
+# A Get gives the event loop to other connections once per this many keys: a tier call
+# that needs no I/O (a RAM hit, a record file opened from the caches) never waits, so a
+# Get of thousands of keys would otherwise hold the loop for all of them
+YIELD_EVERY_KEYS = 64
 
 # Maps a caller's authorization value ("Bearer <token>", None when it sent none) to its
 # tenant; raises Unauthenticated (see kvtier.cacheserver.auth).
@@ -182,6 +188,8 @@ class RequestCore:
         hits = misses = opened = 0
         try:
             for index, key in enumerate(keys):
+                if index % YIELD_EVERY_KEYS == YIELD_EVERY_KEYS - 1:
+                    await asyncio.sleep(0)  # a RAM hit never waits: other connections' turn
                 value = await self.store.get(scoped(tenant, key), files=opened < files)
                 opened += isinstance(value, RecordFile)
                 if value is None:
