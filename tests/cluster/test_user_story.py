@@ -22,10 +22,10 @@ when it ran there already):
    disk tier's chunks survive on the claim and hits resume), an engine pod deleted (its
    replacement's first repeat is a hit), ``helm upgrade`` of the tier's RAM (the tier rolls,
    no request fails).
-6. Every panel query of both dashboards returns data of this run; ``helm uninstall``.
-
-Per-node tiers (issue 18) add a step here once the same-node transport lands: a CacheTier
-with ``topology: perNode`` and an engine of the same recipe on it.
+6. A per-node tier (issue 18): a Redis, a CacheTier with ``topology: perNode`` (a DaemonSet,
+   its socket in a node-local directory) and an engine of the same recipe on it; the repeat
+   is loaded over the same-node transport; no pod privileged or on the host's namespaces.
+7. Every panel query of both dashboards returns data of this run; ``helm uninstall``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from tests.cluster.story import ENGINE_SELECTOR, MODEL, NS, RECIPE, TIER_SELECTO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.vllm]
 
-CLUSTER_IMAGES = ("kvtier-server", "kvtier-operator", "vllm-kvtier")
+CLUSTER_IMAGES = ("kvtier-server", "kvtier-operator", "vllm-kvtier", "kvtier-redis")
 TEXT, SEED = prompt_text(400, seed=7), 7  # ~1000 prompt tokens: several 256-token chunks
 OTHER_TEXT = prompt_text(400, seed=8)  # another prompt, sent only around the tier's restart
 READY_S = 1500  # an engine pod on the slower machine kind, loaded (ENVIRONMENT.md)
@@ -656,7 +656,124 @@ def test_helm_upgrade_of_the_tiers_ram_rolls_the_tier_with_no_failed_request(s: 
     assert s.cluster.get("cachetier", story.TIER, NS)["spec"]["ramBytes"] == "384Mi"
 
 
-# --- 6. every panel, then uninstall ---------------------------------------------------------------
+# --- 6. a per-node tier (issue 18) ---------------------------------------------------------------
+
+LOCAL_TIER, LOCAL_RECIPE = "local", "tiny-vl-local"
+LOCAL_TIER_SELECTOR = f"app.kubernetes.io/component=cache-tier,kvtier.io/cachetier={LOCAL_TIER}"
+LOCAL_ENGINE_SELECTOR = f"app.kubernetes.io/component=engine,kvtier.io/modelrecipe={LOCAL_RECIPE}"
+REDIS_LABELS = {"app.kubernetes.io/name": "redis", "app.kubernetes.io/part-of": "kvtier-test"}
+
+
+def _redis() -> list[dict[str, Any]]:
+    """The Redis a per-node tier needs (tests/cluster/redis/Dockerfile): a Deployment and
+    its Service, restricted like every pod of the story."""
+    container = {
+        "name": "redis", "image": Cluster.image("kvtier-redis"), "imagePullPolicy": "Never",
+        "ports": [{"name": "redis", "containerPort": 6379}],
+        "readinessProbe": {"tcpSocket": {"port": 6379}, "periodSeconds": 2},
+        "resources": {"limits": {"memory": "512Mi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }  # fmt: skip
+    pod = {
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }  # fmt: skip
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "redis", "labels": REDIS_LABELS},
+         "spec": {"replicas": 1, "selector": {"matchLabels": REDIS_LABELS},
+                  "template": {"metadata": {"labels": REDIS_LABELS}, "spec": pod}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "labels": REDIS_LABELS},
+         "spec": {"selector": REDIS_LABELS, "ports": [{"name": "redis", "port": 6379, "targetPort": 6379}]}},
+    ]  # fmt: skip
+
+
+def _local_recipe() -> dict[str, Any]:
+    """The quickstart's recipe, renamed, on the per-node tier."""
+    recipe: dict[str, Any] = yaml.safe_load((ROOT / "recipes/local/tiny-qwen2_5_vl.yaml").read_text())
+    recipe["metadata"] = {"name": LOCAL_RECIPE}
+    recipe["spec"]["tier"] = {"ref": {"name": LOCAL_TIER}}
+    return recipe
+
+
+@pytest.mark.timeout(2400)  # an engine pod and the tier's DaemonSet pod start
+def test_a_per_node_tier_serves_its_nodes_engine_over_the_socket_with_no_privileged_pod(
+    s: Story,
+) -> None:
+    """A CacheTier with ``topology: perNode`` (a DaemonSet, its socket in a node-local
+    directory, values below RAM in Redis) and an engine of the same recipe on it: the
+    engine's repeat is a hit loaded over the same-node transport (the tier answers LocalGet,
+    never the data port or gRPC), the same greedy answer as the shared tier's engines, and
+    no pod is privileged or shares the host's network, IPC or PID namespace."""
+    s.cluster.kubectl("get", "namespace", NS)
+    load = subprocess.run([str(ROOT / "scripts" / "images"), "load", str(s.cluster.dir), "kvtier-redis"],
+                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert load.returncode == 0, load.stderr[-4000:]
+    tier = {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "CacheTier", "metadata": {"name": LOCAL_TIER},
+        "spec": {"topology": "perNode", "redis": {"url": f"redis://redis.{NS}.svc:6379/0"},
+                 "ramBytes": "256Mi"},
+    }  # fmt: skip
+    s.cluster.apply([*_redis(), tier, _local_recipe()], NS)
+    try:
+        (engine,) = s.cluster.eventually(
+            "the per-node tier's engine Ready",
+            lambda: s.ready_pods(LOCAL_ENGINE_SELECTOR) or None,
+            timeout=READY_S,
+        )
+        (tier_pod,) = s.ready_pods(LOCAL_TIER_SELECTOR)
+        # The workloads as the operator rendered them, as the node runs them.
+        daemonset = s.cluster.get("daemonset", LOCAL_TIER, NS)
+        assert tier_pod["metadata"]["ownerReferences"][0]["uid"] == daemonset["metadata"]["uid"]
+        for pod in (tier_pod, engine):
+            spec = pod["spec"]
+            assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), pod["metadata"]["name"]
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                assert not c.get("securityContext", {}).get("privileged"), c["name"]
+            (socket_dir,) = [v for v in spec["volumes"] if "hostPath" in v]
+            assert socket_dir["hostPath"]["path"] == f"/var/run/kvtier/{NS}/{LOCAL_TIER}"
+        (init,) = tier_pod["spec"]["initContainers"]
+        assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+        assert 65532 in engine["spec"]["securityContext"]["supplementalGroups"]
+        assert Path(f"/var/run/kvtier/{NS}/{LOCAL_TIER}/tier.sock").is_socket()  # this machine is the node
+
+        url = f"http://{engine['status']['podIP']}:{story.ENGINE_PORT}"
+        first = chat(url, MODEL, TEXT, SEED)
+        again = s.cluster.eventually(  # the engine stores a request's chunks after its reply
+            "a repeat served from the per-node tier",
+            lambda: (a if (a := chat(url, MODEL, TEXT, SEED)).cached_tokens >= 256 else None),
+            timeout=120,
+        )
+        reference = s.answer or chat(s.service_url(), MODEL, TEXT, SEED).text
+        assert first.cached_tokens == 0 and first.text == again.text == reference
+        t = _metrics(tier_pod, story.TIER_METRICS_PORT)
+        assert t.get("kvtier_server_requests_total", op="LocalGet", code="OK") >= 1
+        assert t.get("kvtier_server_requests_total", op="LocalPut", code="OK") >= 1
+        for op in ("DataGet", "DataPut", "Get", "Put"):  # neither the data port nor gRPC
+            assert t.get("kvtier_server_requests_total", op=op) == 0, op
+        e = _metrics(engine, story.ENGINE_PORT)
+        assert e.get("kvtier_connector_loaded_chunks_total") >= 1
+        # The values reach the Redis every node's tier shares (written behind RAM).
+        assert t.get("kvtier_tier_healthy", tier="redis") == 1
+        s.cluster.eventually(
+            "the per-node tier's values in Redis",
+            lambda: int(s.cluster.exec("deploy/redis", NS, "redis-cli", "dbsize").stdout) > 0,
+        )
+    finally:
+        s.cluster.kubectl("delete", "modelrecipe", LOCAL_RECIPE, "-n", NS, "--wait=true", check=False, timeout=600)
+        s.cluster.kubectl("delete", "cachetier", LOCAL_TIER, "-n", NS, "--wait=true", check=False, timeout=600)
+        s.cluster.kubectl("delete", "deployment,service", "-l", "app.kubernetes.io/part-of=kvtier-test",
+                          "-n", NS, "--wait=true", check=False, timeout=600)  # fmt: skip
+    s.cluster.eventually(
+        "the per-node tier's and its engine's pods gone",
+        lambda: not s.pods(LOCAL_TIER_SELECTOR) and not s.pods(LOCAL_ENGINE_SELECTOR),
+        timeout=300,
+    )
+
+
+# --- 7. every panel, then uninstall ---------------------------------------------------------------
 
 # Series a healthy run never creates: labelled counters that appear on their first failure.
 FAILURE_ONLY = {

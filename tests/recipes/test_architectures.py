@@ -69,8 +69,21 @@ def saved_then_loaded(
     (loaded,) = loader.generate([request(engines, prompt, seed)])
     after = loader.stats()
     chunks = after.get("loaded_chunks", 0) - before.get("loaded_chunks", 0)
-    assert chunks > 0
-    return saved, loaded, (after.get("loaded_bytes", 0) - before.get("loaded_bytes", 0)) / chunks
+    # Every object of every full chunk loaded (each group that keeps it), or a failure
+    # counted: never a load that silently stopped short (issue 21, defect 1: a run
+    # whose loader generated [193, 0, 0, ...] could not tell). Named in every failure.
+    groups = loader.kv_cache_groups()["groups"]
+    expected = loads_before(groups, loaded.num_cached_tokens, loaded.num_cached_tokens // CHUNK, group=0)
+    failures = {
+        name: after[name] - before.get(name, 0)
+        for name in after
+        if name.startswith(("load_failed_blocks", "corrupt_chunks", "errors"))
+        and after[name] != before.get(name, 0)
+    }
+    loads = f"{chunks} of {expected} objects loaded, failures counted: {failures or 'none'}"
+    assert chunks == expected or failures, loads
+    assert loaded.token_ids == saved.token_ids, f"output differs from the no-cache run's; {loads}"
+    return saved, loaded, (after.get("loaded_bytes", 0) - before.get("loaded_bytes", 0)) / max(chunks, 1)
 
 
 def test_same_item_hits_in_another_process_with_identical_output_zstd_and_raw(

@@ -35,8 +35,10 @@ client receives loaded chunks into pinned buffers), so loads overlap the layers 
 computing and saves overlap the rest of the step. With ``layerwise: false`` (keeps
 vLLM's full CUDA graphs) the forward waits for all loads before its first layer and the
 saves are all copied in ``wait_for_save``. A reported load's request is not in this
-step's forward (vLLM waits for it): the compute stream waits for its copies before the
-forward, so the next step, which reads its blocks, comes after them. On the CPU backend
+step's forward (vLLM waits for it; on a step whose loads are all reported, vLLM 0.32
+calls ``start_load_kv`` after it launched the forward): its request is reported loaded
+(``finished_loads``) only once its copies are done, so the step that reads its blocks
+comes after them. On the CPU backend
 every copy runs at once on the engine's thread (loads in ``start_load_kv``, saves in
 ``wait_for_save``).
 
