@@ -81,9 +81,10 @@ def saved_then_loaded(
         and after[name] != before.get(name, 0)
     }
     loads = f"{chunks} of {expected} objects loaded, failures counted: {failures or 'none'}"
+    assert chunks > 0, loads
     assert chunks == expected or failures, loads
     assert loaded.token_ids == saved.token_ids, f"output differs from the no-cache run's; {loads}"
-    return saved, loaded, (after.get("loaded_bytes", 0) - before.get("loaded_bytes", 0)) / max(chunks, 1)
+    return saved, loaded, (after.get("loaded_bytes", 0) - before.get("loaded_bytes", 0)) / chunks
 
 
 def test_same_item_hits_in_another_process_with_identical_output_zstd_and_raw(
