@@ -406,8 +406,8 @@ class DiskTier:
     # -- internals ----------------------------------------------------------------
 
     def _file(self, key: bytes) -> str:
-        """The path of ``key``'s record file (a string: a ``Path`` per Get cost 2% of a
-        same-node 1 MiB GET's tier CPU)."""
+        """The path of ``key``'s record file (a string: building a ``Path`` per Get showed
+        in a profile of the tier serving same-node 1 MiB GETs)."""
         name = _file_name(key)
         return f"{self._root_str}/{name[:2]}/{name}"
 
