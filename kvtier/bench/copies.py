@@ -10,6 +10,9 @@ Prints GB/s (best of ``--repeat``) of:
   alignments of the two ends (offsets in bytes from a page boundary);
 - ``copy_checked``: the C helper (``kvtier.proto._copyhash``) and the pure-Python one,
   at the aligned case and the case of a ``bytearray`` receive buffer (data at 16);
+- a same-node PUT's copy (a value in process memory into a shared segment it writes
+  once, rotating over a segment four times the copy): ``copy_checked`` (copy, then hash
+  what landed) against ``copy_streamed`` (hash the source, then non-temporal stores);
 - a copy into pages touched before against one into pages never touched (a new memfd
   segment, or memory the kernel must first allocate and zero): what a tier pays for a
   value that lands in fresh memory instead of memory it recycled; and ``copy_checked``
@@ -105,6 +108,27 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  destination at {dst_off:2d}: C {c}   pure Python {py:6.2f}")
         src.release()
         dst.release()
+
+    print("\na PUT's copy of a value in process memory into a shared segment (copy and xxh3-64):")
+    value = memoryview(bytearray(os.urandom(n)))
+    with _memfd(4 * n) as ring:
+        ring[:] = bytes(4 * n)  # touched before, as a tier's reserved extents are
+        places = [memoryview(ring)[i * n : (i + 1) * n] for i in range(4)]
+        turn = [0]
+
+        def rotating(copy: Callable[..., int]) -> None:
+            turn[0] += 1
+            copy(places[turn[0] % 4], value)
+
+        for name in ("copy_checked", "copy_streamed"):
+            rate = (
+                f"{_rate(n, partial(rotating, getattr(helper, name)), args.repeat):6.2f}"
+                if helper is not None
+                else "  (not built)"
+            )
+            print(f"  {name:13s} C {rate}")
+        for place in places:
+            place.release()
 
     print("\nfirst touch: a copy into pages touched before, against fresh ones:")
     payload = memoryview(bytearray(os.urandom(n)))

@@ -1,7 +1,8 @@
 """The same-node transport's copy-and-checksum (``kvtier.proto.localwire.copy_checked``).
 
-Both implementations, the C helper (``kvtier.proto._copyhash``, which scripts/setup builds)
-and the pure-Python one, copy the same bytes and return xxh3-64 of them, at every
+All implementations, the C helper's two (``kvtier.proto._copyhash``, which scripts/setup
+builds: ``copy_checked``, and ``copy_streamed`` with its non-temporal stores) and the
+pure-Python one, copy the same bytes and return xxh3-64 of them, at every
 alignment of the two ends (the C helper exists for the misaligned ones), for values that
 span several of their blocks, for several sources, and refuse what cannot be copied whole.
 ``read_checked`` (a same-node client reading a disk-tier record file: pread and hash in one
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -27,8 +30,10 @@ from kvtier.proto import _copyhash, localwire
 
 IMPLEMENTATIONS: dict[str, Callable[..., int]] = {
     "c": _copyhash.copy_checked,
+    "c-streamed": _copyhash.copy_streamed,
     "python": localwire.copy_checked_py,
 }
+C_COPIES = [_copyhash.copy_checked, _copyhash.copy_streamed]
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -56,6 +61,75 @@ def test_exact_bytes_and_checksum_at_every_alignment(
         assert dst_map[:dst_offset] == b"\0" * dst_offset  # nothing written outside dst
         assert dst_map[dst_offset + n : dst_offset + n + 64] == b"\0" * 64
         del src, dst
+
+
+def test_short_values_at_every_destination_offset(copy: Callable[..., int]) -> None:
+    """Values shorter than a vector store, and ends that are not multiples of one: the
+    streamed copy's unaligned head and tail."""
+    data = os.urandom(200)
+    for dst_offset in range(18):
+        for n in (*range(0, 70), 127, 128, 129, 200 - 18):
+            dst = bytearray(b"\xaa" * 240)
+            view = memoryview(dst)[dst_offset : dst_offset + n]
+            assert copy(view, memoryview(data)[:n]) == xxhash.xxh3_64_intdigest(data[:n])
+            assert dst[dst_offset : dst_offset + n] == data[:n]
+            assert dst[:dst_offset] == b"\xaa" * dst_offset
+            assert dst[dst_offset + n :] == b"\xaa" * (240 - dst_offset - n)
+            del view
+
+
+def test_the_one_pass_copy_is_xxh3_at_every_length_class(copy: Callable[..., int]) -> None:
+    """Where the C helper copies and hashes in one pass (x86-64 with AVX2: its own XXH3 of
+    long inputs, not libxxhash's), every length around XXH3's edges (240: short inputs end;
+    64-byte stripes; 1 KiB blocks, after which the accumulators are scrambled) gives
+    libxxhash's digest, from one source and from the same bytes cut at random places into
+    several (stripes that span two sources, empty sources)."""
+    rng = random.Random(11)
+    data = os.urandom(3 * 1024 + 200)
+    lengths = sorted(
+        {n for edge in (0, 64, 240, 1024, 2048, 3 * 1024) for n in range(edge - 3, edge + 70) if n >= 0}
+        | {rng.randrange(241, len(data)) for _ in range(40)}
+    )
+    for n in lengths:
+        value = data[:n]
+        want = xxhash.xxh3_64_intdigest(value)
+        cuts = sorted(rng.randrange(0, n + 1) for _ in range(rng.randrange(1, 6)))
+        for parts in ([value], [value[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)]):
+            for dst_offset in (0, 1, 32):
+                dst = bytearray(n + dst_offset)
+                view = memoryview(dst)[dst_offset:]
+                assert copy(view, *map(memoryview, parts)) == want, (n, len(parts), dst_offset)
+                assert dst[dst_offset:] == value
+                del view
+
+
+def test_the_c_helper_copies_in_one_pass_where_the_cpu_has_avx2() -> None:
+    """On x86-64 with AVX2 (this machine) the C helper copies and hashes in one pass, and
+    the tests above check that path; the two-pass path, which other CPUs take, is checked
+    below with the one-pass copy switched off (``KVTIER_COPY_NO_FUSED``)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    avx2 = platform.machine() == "x86_64" and "avx2" in cpuinfo.split()
+    expected = avx2 and not os.environ.get("KVTIER_COPY_NO_FUSED")
+    assert bool(_copyhash.FUSED) is expected
+
+
+def test_the_two_pass_copy_gives_the_same_bytes_and_checksums() -> None:
+    """The path a CPU without AVX2 takes, run here by switching the one-pass copy off."""
+    script = (
+        "import os, random, xxhash\n"
+        "from kvtier.proto import _copyhash as c\n"
+        "assert c.FUSED == 0\n"
+        "data = os.urandom(300_000)\n"
+        "for n in (0, 240, 241, 1024, 1025, 70_000, 300_000):\n"
+        "    for f in (c.copy_checked, c.copy_streamed):\n"
+        "        dst = bytearray(n + 1)\n"
+        "        got = f(memoryview(dst)[1:], data[: n // 3], data[n // 3 : n])\n"
+        "        assert got == xxhash.xxh3_64_intdigest(data[:n]) and dst[1:] == data[:n], n\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "KVTIER_COPY_NO_FUSED": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_several_sources_land_back_to_back(copy: Callable[..., int]) -> None:
@@ -87,23 +161,25 @@ def test_a_read_only_destination_is_refused(copy: Callable[..., int]) -> None:
         copy(memoryview(b"0123"), memoryview(b"abcd"))
 
 
-def test_the_c_helper_refuses_what_is_not_a_buffer() -> None:
+@pytest.mark.parametrize("c_copy", C_COPIES, ids=["checked", "streamed"])
+def test_the_c_helper_refuses_what_is_not_a_buffer(c_copy: Callable[..., int]) -> None:
+    with pytest.raises(TypeError, match="dst is required"):
+        c_copy()
     with pytest.raises(TypeError):
-        _copyhash.copy_checked()
-    with pytest.raises(TypeError):
-        _copyhash.copy_checked(bytearray(3), "abc")
+        c_copy(bytearray(3), "abc")
     with pytest.raises(ValueError, match="sources"):
-        _copyhash.copy_checked(bytearray(65), *[b"x"] * 65)
+        c_copy(bytearray(65), *[b"x"] * 65)
 
 
-def test_the_c_helper_lets_other_threads_run_during_a_copy() -> None:
+@pytest.mark.parametrize("c_copy", C_COPIES, ids=["checked", "streamed"])
+def test_the_c_helper_lets_other_threads_run_during_a_copy(c_copy: Callable[..., int]) -> None:
     """The copy runs without the GIL: a Python thread keeps counting while the main thread
     is inside a copy of 256 MiB. Held, the GIL would let it count only around the call
     (at most a switch interval, set to 1 ms here, against ~25 ms of copying)."""
     chunk = memoryview(os.urandom(4 << 20))
     sources = [chunk] * 64
     dst = memoryview(bytearray(256 << 20))
-    _copyhash.copy_checked(dst, *sources)  # pages faulted in before anything is measured
+    c_copy(dst, *sources)  # pages faulted in before anything is measured
     box = [0]
     stop = threading.Event()
 
@@ -122,7 +198,7 @@ def test_the_c_helper_lets_other_threads_run_during_a_copy() -> None:
             time.sleep(0.05)  # the counter alone: its rate
             rate = (box[0] - a) / (time.perf_counter() - t0)
             a, t0 = box[0], time.perf_counter()
-            _copyhash.copy_checked(dst, *sources)
+            c_copy(dst, *sources)
             shares.append((box[0] - a) / (rate * (time.perf_counter() - t0)))
     finally:
         stop.set()

@@ -382,7 +382,7 @@ class LocalTransport(ConnectionPool[_Conn]):
             used = 0
             while i < len(values) and (not table or used + lengths[i] <= PIPELINE_BYTES):
                 key, parts = values[i]
-                table.append((key, i, lengths[i], lw.copy_checked(places[i], *parts)))
+                table.append((key, i, lengths[i], lw.copy_streamed(places[i], *parts)))
                 used += lengths[i]
                 i += 1
             raw = lw.put_table(table)
