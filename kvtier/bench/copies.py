@@ -9,7 +9,10 @@ Prints GB/s (best of ``--repeat``) of:
   memoryview slice assignments) out of a page-aligned memfd segment, at several
   alignments of the two ends (offsets in bytes from a page boundary);
 - ``copy_checked``: the C helper (``kvtier.proto._copyhash``) and the pure-Python one,
-  at the aligned case and the case of a ``bytearray`` receive buffer (data at 16);
+  at the aligned case and the case of a ``bytearray`` receive buffer (data at 16); the C
+  helper copies and hashes in one pass where the CPU has AVX2, in two (a copy, then a hash
+  of the copy) elsewhere or with ``KVTIER_COPY_NO_FUSED=1`` in the environment: run it
+  both ways to compare;
 - a same-node PUT's copy (a value in process memory into a shared segment it writes
   once, rotating over a segment four times the copy): ``copy_checked`` (copy, then hash
   what landed) against ``copy_streamed`` (hash the source, then non-temporal stores);
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         src.release()
         dst.release()
 
-    print("\ncopy_checked (copy and xxh3-64) out of a memfd segment:")
     helper = localwire._copyhash
+    passes = "not built" if helper is None else "one pass" if helper.FUSED else "two passes"
+    print(f"\ncopy_checked (copy and xxh3-64) out of a memfd segment; the C helper in {passes}:")
     for dst_off in (0, 16):
         src = memoryview(source)[:n]
         dst = memoryview(target)[dst_off : dst_off + n]

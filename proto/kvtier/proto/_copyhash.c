@@ -2,17 +2,21 @@
  *
  *   copy_checked(dst, *sources) -> int
  *       copies sources back to back into dst (their total length) and returns xxh3-64 of
- *       what landed in dst, each block hashed right after it is copied (cache-warm); the
- *       same value as the pure-Python copy_checked and xxhash.xxh3_64_intdigest. The copy
- *       and the hash run without the GIL.
+ *       what landed in dst: in one pass where the CPU has AVX2 (each 64-byte stripe
+ *       loaded once, stored, and hashed from the same registers; "One pass" below), else
+ *       each block hashed right after it is copied (cache-warm); the same value as the
+ *       pure-Python copy_checked and xxhash.xxh3_64_intdigest. The copy and the hash run
+ *       without the GIL. The module's FUSED is 1 where the one pass is used
+ *       (KVTIER_COPY_NO_FUSED=1 in the environment turns it off: A/Bs and tests).
  *
  *   copy_streamed(dst, *sources) -> int
  *       the same copy and the same checksum, for a destination this CPU will not read
  *       again soon (a same-node PUT into an extent the tier reserved: another process
  *       reads it, later): each block of the sources is hashed first (it is then in
- *       cache) and copied with non-temporal stores, which skip reading the destination's
- *       cache lines before writing them (x86-64: SSE2 streaming stores, 1.3x the speed
- *       of copy_checked at 1-16 MiB here; elsewhere memcpy). The checksum is of the
+ *       cache; in the one pass: stored from the registers it was hashed from) and copied
+ *       with non-temporal stores, which skip reading the destination's cache lines before
+ *       writing them (x86-64: AVX2 or SSE2 streaming stores; elsewhere memcpy; python -m
+ *       kvtier.bench.copies compares the two copies). The checksum is of the
  *       bytes read from the sources: the caller owns them, and a source it changes
  *       during the call leaves a value whose checksum every reader finds wrong.
  *
@@ -128,8 +132,8 @@ copy_pieces(char *dst, const char *src, size_t n)
  * cache) runs at ~0.8x a plain memcpy here: the hash's arithmetic waits for the copy and
  * the copy for the hash. This loop loads each 64-byte stripe once, stores it and feeds the
  * same registers to XXH3's accumulator, so the arithmetic runs while the memory system
- * works: 1.4-1.6x the two-pass copy at 4 MiB out of memory, as fast as memcpy or faster
- * (python -m kvtier.bench.copies). It is XXH3's long-input algorithm (xxhash's
+ * works: 1.3-1.4x the two-pass copy out of a memfd segment here (python -m
+ * kvtier.bench.copies, with and without KVTIER_COPY_NO_FUSED=1). It is XXH3's long-input algorithm (xxhash's
  * XXH3_hashLong_64b with the default secret and seed 0: stripes of 64 bytes, the
  * accumulators scrambled after every 16, the last partial block, the input's last 64
  * bytes, the merge), written here against the specification rather than libxxhash's

@@ -168,8 +168,9 @@ def checksum(value: memoryview | bytes) -> int:
 def copy_checked(dst: memoryview, *sources: memoryview) -> int:
     """Copies ``sources`` back to back into ``dst`` (of their total length) and returns the
     checksum of what landed in ``dst``, each block hashed right after it is copied. In C
-    without the GIL where ``_copyhash`` is built (fast at any alignment; docs/benchmarks.md,
-    "Same-node copies and alignment"), else ``copy_checked_py``."""
+    without the GIL where ``_copyhash`` is built (fast at any alignment, and in one pass of
+    copy and hash where the CPU has AVX2; docs/benchmarks.md, "Same-node copies and
+    alignment"), else ``copy_checked_py``."""
     if _copyhash is not None:
         got: int = _copyhash.copy_checked(dst, *sources)
         return got
@@ -179,10 +180,9 @@ def copy_checked(dst: memoryview, *sources: memoryview) -> int:
 def copy_streamed(dst: memoryview, *sources: memoryview) -> int:
     """``copy_checked`` for a destination another process reads later (a PUT into an extent
     the tier reserved): each block is hashed in the sources, then copied with non-temporal
-    stores that skip reading the destination into cache first (1.3x copy_checked's speed at
-    1-16 MiB on this machine; docs/benchmarks.md, "Same-node copies and alignment"). The
-    checksum is of the bytes read from the sources, which the caller owns. ``copy_checked_py``
-    where ``_copyhash`` is not built."""
+    stores that skip reading the destination into cache first (docs/benchmarks.md, "Same-node
+    copies and alignment"). The checksum is of the bytes read from the sources, which the
+    caller owns. ``copy_checked_py`` where ``_copyhash`` is not built."""
     if _copyhash is not None:
         got: int = _copyhash.copy_streamed(dst, *sources)
         return got
