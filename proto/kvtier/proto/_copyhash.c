@@ -262,6 +262,9 @@ copy_hash_fused(char *dst, const Py_buffer *src, size_t total, int streamed)
             const char *in = (const char *)src[j].buf + at;
             __m256i a = _mm256_loadu_si256((const __m256i *)in);
             __m256i b = _mm256_loadu_si256((const __m256i *)(in + 32));
+            /* the stored and the hashed bytes are these registers: the compiler may not
+             * load the source again for either (another process may be writing it) */
+            __asm__("" : "+x"(a), "+x"(b));
             if (nt) {
                 _mm256_stream_si256((__m256i *)out, a);
                 _mm256_stream_si256((__m256i *)(out + 32), b);
@@ -350,19 +353,21 @@ copy_hashed(PyObject *const *args, Py_ssize_t nargs, int streamed)
         PyErr_Format(PyExc_ValueError, "copy of %zd bytes into %zd", total, dst.len);
         goto fail;
     }
+    XXH64_hash_t digest;
+#if HAVE_FUSED
+    if (have_avx2 && total > SHORT_MAX) {
+        Py_BEGIN_ALLOW_THREADS
+        digest = copy_hash_fused((char *)dst.buf, src, (size_t)total, streamed);
+        Py_END_ALLOW_THREADS
+        goto release;
+    }
+#endif
     XXH3_state_t *state = XXH3_createState();
     if (state == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    XXH64_hash_t digest;
     Py_BEGIN_ALLOW_THREADS
-#if HAVE_FUSED
-    if (have_avx2 && total > SHORT_MAX) {
-        digest = copy_hash_fused((char *)dst.buf, src, (size_t)total, streamed);
-        goto copied;
-    }
-#endif
     XXH3_64bits_reset(state);
     char *out = (char *)dst.buf;
     for (Py_ssize_t i = 0; i < nsrc; i++) {
@@ -386,11 +391,11 @@ copy_hashed(PyObject *const *args, Py_ssize_t nargs, int streamed)
         STREAM_FENCE(); /* the streamed stores are visible before the PUT that names them */
     }
     digest = XXH3_64bits_digest(state);
-#if HAVE_FUSED
-copied:
-#endif
     Py_END_ALLOW_THREADS
     XXH3_freeState(state);
+#if HAVE_FUSED
+release:
+#endif
     for (Py_ssize_t i = 0; i < nsrc; i++) {
         PyBuffer_Release(&src[i]);
     }
@@ -673,7 +678,8 @@ PyInit__copyhash(void)
 {
 #if HAVE_FUSED
     __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2") && getenv("KVTIER_COPY_NO_FUSED") == NULL;
+    const char *off = getenv("KVTIER_COPY_NO_FUSED"); /* set, not empty, not "0" */
+    have_avx2 = __builtin_cpu_supports("avx2") && (off == NULL || *off == '\0' || strcmp(off, "0") == 0);
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "FUSED", have_avx2) < 0) {
