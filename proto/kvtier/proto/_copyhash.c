@@ -236,6 +236,32 @@ merge(const uint64_t acc[8], size_t len)
     return h;
 }
 
+/* Moves (j, at), a source and where in it, past empty sources and one used up; only
+ * called while bytes are left, so j stays within the sources. */
+static inline void
+next_source(const Py_buffer *src, Py_ssize_t *j, size_t *at)
+{
+    while ((size_t)src[*j].len == *at) {
+        (*j)++;
+        *at = 0;
+    }
+}
+
+/* Copies the next n bytes of the sources, from (j, at) on, into to */
+static inline void
+gather(char *to, size_t n, const Py_buffer *src, Py_ssize_t *j, size_t *at)
+{
+    while (n) {
+        next_source(src, j, at);
+        size_t k = (size_t)src[*j].len - *at;
+        k = k < n ? k : n;
+        memcpy(to, (const char *)src[*j].buf + *at, k);
+        to += k;
+        *at += k;
+        n -= k;
+    }
+}
+
 /* Copies the sources (total bytes, more than SHORT_MAX) back to back into dst and returns
  * xxh3-64 of what was stored; streamed: non-temporal stores where dst is 32-byte aligned
  * (a stripe that spans two sources, and the tail, go through memcpy). Without the GIL. */
@@ -253,10 +279,7 @@ copy_hash_fused(char *dst, const Py_buffer *src, size_t total, int streamed)
     size_t at = 0;     /* and where in it */
     char *out = dst;
     for (size_t i = 0; i < stripes; i++, out += STRIPE) {
-        while ((size_t)src[j].len == at) { /* empty sources, or one used up */
-            j++;
-            at = 0;
-        }
+        next_source(src, &j, &at);
         const uint8_t *secret = XXH3_SECRET + 8 * (i % STRIPES_PER_BLOCK);
         if ((size_t)src[j].len - at >= STRIPE) {
             const char *in = (const char *)src[j].buf + at;
@@ -275,20 +298,7 @@ copy_hash_fused(char *dst, const Py_buffer *src, size_t total, int streamed)
             accumulate(acc, a, b, secret);
             at += STRIPE;
         } else { /* a stripe across sources: gathered in dst, then hashed from there */
-            size_t need = STRIPE;
-            char *to = out;
-            while (need) {
-                while ((size_t)src[j].len == at) {
-                    j++;
-                    at = 0;
-                }
-                size_t k = (size_t)src[j].len - at;
-                k = k < need ? k : need;
-                memcpy(to, (const char *)src[j].buf + at, k);
-                to += k;
-                at += k;
-                need -= k;
-            }
+            gather(out, STRIPE, src, &j, &at);
             accumulate_at(acc, out, secret);
         }
         if (i % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1) {
@@ -297,17 +307,7 @@ copy_hash_fused(char *dst, const Py_buffer *src, size_t total, int streamed)
     }
     /* the rest (1 to 64 bytes), then the input's last 64 bytes read back from dst */
     char *end = dst + total;
-    while (out < end) {
-        while ((size_t)src[j].len == at) {
-            j++;
-            at = 0;
-        }
-        size_t k = (size_t)src[j].len - at;
-        k = k < (size_t)(end - out) ? k : (size_t)(end - out);
-        memcpy(out, (const char *)src[j].buf + at, k);
-        out += k;
-        at += k;
-    }
+    gather(out, (size_t)(end - out), src, &j, &at);
     if (nt) {
         _mm_sfence(); /* the streamed stores before the read back, and before the reply */
     }
