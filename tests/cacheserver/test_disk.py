@@ -8,6 +8,7 @@ import os
 import resource
 import shutil
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -303,6 +304,70 @@ async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_reco
         assert read_record(got) == (b"k", old)
     finally:
         got.close()
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["names swapped", "renamed over"])
+async def test_a_record_replaced_under_readers_is_always_whole_and_leaves_nothing_behind(
+    tmp_path: Path, swap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record replacing one of its key takes its place by a swap of names (``renameat2``
+    ``RENAME_EXCHANGE``: no ext4 flush on the write's path) or, where that is not
+    supported, a rename over it: a reader opening the key's file meanwhile always finds a
+    whole record of one of the values written, and neither way leaves a file in ``tmp/``
+    or a descriptor of a removed record once the tier is closed."""
+    from kvtier.cacheserver import disk
+
+    if sys.platform == "linux" and disk._renameat2 is not None:
+        assert disk._exchange_supported, "renameat2(RENAME_EXCHANGE) was turned off before this test"
+    monkeypatch.setattr(disk, "_exchange_supported", swap and disk._exchange_supported)
+    tier = await opened(tmp_path, capacity=64 << 20)
+    values = [bytes([i]) * (1 << 20) + os.urandom(64) for i in range(40)]
+    assert await tier.put(b"k", values[0])
+    final = tier._path(b"k")
+    seen: set[bytes] = set()
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                with open(final, "rb") as f:
+                    data = f.read()
+                seen.add(bytes(record.decode(b"k", data)))
+            except (OSError, record.CorruptRecord) as exc:
+                failures.append(repr(exc))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for value in values[1:]:
+            assert await tier.put(b"k", value)
+    finally:
+        stop.set()
+        reader.join(30)
+    assert failures == [], failures[:3]
+    assert seen and seen <= set(values)
+    got = await tier.get(b"k")
+    assert got is not None and bytes(got) == values[-1]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert len(files(tmp_path)) == tier.usage().entries == 1
+    assert disk._exchange_supported == (swap and disk._renameat2 is not None and sys.platform == "linux")
+    await tier.close()
+    assert descriptors_of_removed_files(tmp_path) == []
+
+
+def test_exchange_swaps_two_names_and_declines_a_missing_target(tmp_path: Path) -> None:
+    from kvtier.cacheserver import disk
+
+    assert disk._renameat2 is not None and disk._exchange_supported  # glibc 2.28+, Linux 3.15+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"A")
+    b.write_bytes(b"B")
+    assert disk._exchange(a, b)
+    assert (a.read_bytes(), b.read_bytes()) == (b"B", b"A")
+    assert not disk._exchange(a, tmp_path / "missing")  # a Delete got there first
+    assert a.read_bytes() == b"B" and not (tmp_path / "missing").exists()
+    assert disk._exchange_supported
 
 
 @pytest.mark.parametrize("damage", ["another key's record", "a truncated file", "bad magic"])
