@@ -10,6 +10,7 @@
     kvtier bench probes [--rounds N]     tenant B probing tenant A's chunks, gRPC and data port (kvtier/bench/probes.py)
     kvtier bench codec [--no-engine] [...]  the zstd chunk codec: ratio and MB/s per level (kvtier/bench/codec.py)
     kvtier bench alloc [--mib N]         a large value received into fresh or kept memory (kvtier/bench/alloc.py)
+    kvtier bench replace [--mib N]       a file replaced: renamed over, names swapped, truncated (kvtier/bench/replace.py)
 
 Each harness prints a Markdown table; docs/benchmarks.md has the results and the
 exact commands that made them.
@@ -31,6 +32,7 @@ HARNESSES = {
     "probes": "tenant probes: hits, answer shapes and latencies of cross-tenant probes",
     "codec": "the zstd chunk codec: ratio and MB/s per level on real KV chunks and random bf16",
     "alloc": "receive buffers: a large value filled into fresh or kept memory",
+    "replace": "disk records: a file replaced by a rename over it, a swap of names, a rewrite",
 }
 
 
@@ -74,6 +76,10 @@ def main(argv: Sequence[str]) -> int:
         from kvtier.bench import alloc
 
         return alloc.main(rest)
+    if name == "replace":
+        from kvtier.bench import replace
+
+        return replace.main(rest)
     if name == "codec":
         from kvtier.bench import codec
 

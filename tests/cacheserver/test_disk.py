@@ -363,9 +363,9 @@ def test_exchange_swaps_two_names_and_declines_a_missing_target(tmp_path: Path) 
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"A")
     b.write_bytes(b"B")
-    assert disk._exchange(a, b)
+    assert disk.exchange(a, b)
     assert (a.read_bytes(), b.read_bytes()) == (b"B", b"A")
-    assert not disk._exchange(a, tmp_path / "missing")  # a Delete got there first
+    assert not disk.exchange(a, tmp_path / "missing")  # a Delete got there first
     assert a.read_bytes() == b"B" and not (tmp_path / "missing").exists()
     assert disk._exchange_supported
 

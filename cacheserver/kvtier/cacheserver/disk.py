@@ -91,7 +91,7 @@ logger = logging.getLogger(__name__)
 _HEAD_READ = record.HEADER_SIZE + 512  # header + the longest namespaced key
 RETIRE_BYTES = 64 << 20  # records replaced or removed whose space may come back later, at most
 
-# renameat2(2), for replacing a record by swapping names (``_exchange``, ``DiskTier._write``)
+# renameat2(2), for replacing a record by swapping names (``exchange``, ``DiskTier._write``)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28
@@ -476,7 +476,7 @@ class DiskTier:
         os.close(fd)
         old = self._retirer.hold(final)  # the record this one replaces is freed behind
         try:
-            if old is not None and _exchange(tmp, final):
+            if old is not None and exchange(tmp, final):
                 _unlink_replaced(tmp)  # now the name of the record replaced
             else:
                 try:
@@ -494,7 +494,7 @@ class DiskTier:
                 self._retirer.retire(old)
 
 
-def _exchange(tmp: Path, final: Path) -> bool:
+def exchange(tmp: Path, final: Path) -> bool:
     """Swaps the names ``tmp`` and ``final`` (``renameat2`` with ``RENAME_EXCHANGE``, Linux
     3.15; ext4 since 4.0) and returns True; False when ``final`` is gone meanwhile (a Delete
     or an eviction) or the filesystem or the C library cannot (then never tried again):
