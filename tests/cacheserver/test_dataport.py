@@ -196,8 +196,8 @@ WRITTEN_THROUGH = ("--ram-bytes", "1", "--write-policy", "write-through")  # eve
 def test_a_connection_cut_mid_value_stores_nothing_of_it(
     start_tier: Callable[..., TierProcess], flags: tuple[str, ...]
 ) -> None:
-    """Written through, the first value is stored while the second arrives (the overlap of
-    ``DataConnection._put``): the cut of the second still leaves the first stored whole."""
+    """Written through, the first value reaches the disk tier before the second arrives; the
+    cut of the second leaves the first stored whole there too."""
     tier, port = start_data_tier(start_tier, "--max-value-bytes", "80MiB", *flags)
     first, second = value(1 << 20), value(4 << 20, 1)
     table = dw.put_table([(b"first", len(first)), (b"second", len(second))])
@@ -217,10 +217,11 @@ def test_a_connection_cut_mid_value_stores_nothing_of_it(
 def test_a_put_written_through_stores_every_value_in_order_even_when_the_budget_holds_one(
     start_tier: Callable[..., TierProcess],
 ) -> None:
-    """Written through to a lower tier, a value is stored while the next one arrives, so a
-    connection may hold two values' bytes; where the budget has room for one only, the
-    next value waits for the store before it instead of being refused. Stores stay in
-    the table's order: a key named twice keeps its last value."""
+    """Written through to a lower tier, each value holds the budget until it is stored: one
+    whose length is all the budget has room for is stored, and so is the next. Stores
+    follow the table's order: a key named twice keeps its last value. (A store that
+    overlapped the next value's receive would hold two values at once, and be refused
+    here: docs/benchmarks.md, "Tried, not kept".)"""
     tier, port = start_data_tier(
         start_tier, *WRITTEN_THROUGH, "--incoming-bytes", "8MiB", "--max-value-bytes", "6MiB"
     )

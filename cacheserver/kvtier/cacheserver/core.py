@@ -217,11 +217,6 @@ class RequestCore:
         the RAM tier has one): fill it whole before ``store``, it may hold an old value's bytes."""
         return self.store.receive_buffer(length, tenant)
 
-    def stores_wait(self) -> bool:
-        """Whether ``store_value`` waits on a lower tier's I/O (``TieredStore.puts_wait``): an
-        edge may then receive the next value while one is being stored."""
-        return self.store.puts_wait()
-
     async def store_value(self, tenant: str, key: bytes, value: Value) -> bool:
         """Stores a whole value; False when no tier would take it (larger than every tier)."""
         self.metrics.received_bytes.inc(memoryview(value).nbytes)

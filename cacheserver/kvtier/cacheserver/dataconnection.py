@@ -13,9 +13,7 @@ byte (a peer that dribbles them is cut); a value must keep arriving (each
 receive step within ``--data-timeout``). Memory: nothing a header declares is
 allocated before the caller's token is checked; a table is bounded by its
 count of keys and reserved from ``--incoming-bytes``, and so is each value
-while it arrives and until it is stored (the first before the OK reply; with a
-lower tier written through, the value before is stored while the next arrives, so
-a connection holds at most two values' bytes).
+while it arrives (the first before the OK reply).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvtier.cacheserver.budget import Reservation
 from kvtier.cacheserver.core import RequestCore
 from kvtier.cacheserver.datastreams import DataStream, PlainStream, TlsStream
 from kvtier.cacheserver.errors import (
@@ -54,9 +51,6 @@ GATHER_BYTES = 256 << 10
 MAX_WIRE_KEY = 0xFFFF
 # Bytes a refused request still sends (its table, its values) are read into this and dropped.
 DISCARD_BYTES = 64 << 10
-# A Put's values this large are stored while the next one arrives, where stores wait on a
-# lower tier (``DataConnection._put``); a task for a smaller one costs more than it saves.
-OVERLAP_MIN = 256 << 10
 _OP_NAMES = {Op.HELLO: "DataHello", Op.GET: "DataGet", Op.PUT: "DataPut"}
 
 STATUSES: dict[type[RequestError], Status] = {
@@ -340,88 +334,41 @@ class DataConnection:
 
     async def _put(self, items: list[tuple[bytes, int]], tenant: str) -> None:
         """Receives and stores a PUT's values. Each value holds its length of the budget while
-        it arrives and until it is stored: the first is reserved before the OK reply (a full
-        budget is refused before any value byte is sent); a later one that does not fit, even
-        once the value before it is stored, is read and dropped with every value after it,
-        and the final reply says UNAVAILABLE (the values before it stay).
-
-        Where a store waits on a lower tier's I/O (written through: ``stores_wait``), a value
-        of ``OVERLAP_MIN`` bytes or more is stored while the next one arrives: one store in
-        flight at a time, in the order of the table, so the reply's count is of the values
-        stored in order, as without the overlap. (Elsewhere a store returns at once, and a
-        task per value would only cost.)"""
+        it arrives: the first is reserved before the OK reply (a full budget is refused before
+        any value byte is sent); a later one that does not fit is read and dropped with every
+        value after it, and the final reply says UNAVAILABLE (the values before it stay)."""
         assert self.stream is not None
         held = self.core.reserve("DataPut.values[0].length", items[0][1]) if items else None
         stored = rejected = 0
         refused: Overloaded | None = None
-        overlap = self.core.stores_wait()
-        storing: tuple[asyncio.Task[bool], Reservation] | None = None  # the value before
-
-        async def settle() -> None:
-            nonlocal stored, rejected, storing
-            if storing is None:
-                return
-            task, hold = storing
-            storing = None
-            try:
-                ok = await task
-            finally:
-                hold.release()
-            stored, rejected = stored + ok, rejected + (not ok)
-
         try:
             await self.stream.send(dw.reply(Op.PUT, Status.OK))
             self.replied = True
             for i, (key, length) in enumerate(items):
                 if refused is None and held is None:
-                    field = f"DataPut.values[{i}].length"
                     try:
-                        held = self.core.reserve(field, length)
+                        held = self.core.reserve(f"DataPut.values[{i}].length", length)
                     except Overloaded as exc:
                         refused = exc
-                        if storing is not None:  # its bytes may be what this one needs
-                            await settle()
-                            with contextlib.suppress(Overloaded):
-                                held, refused = self.core.reserve(field, length), None
                 if refused is not None:
                     await self._discard(length)
                     continue
-                assert held is not None
                 buf = self.core.receive_buffer(length, tenant)
                 await self._recv(memoryview(buf))  # a cut here stores nothing of this value
-                await settle()
-                value = memoryview(buf).toreadonly()
-                if overlap and length >= OVERLAP_MIN:
-                    storing = (asyncio.ensure_future(self.core.store_value(tenant, key, value)), held)
-                    held = None
-                    continue
-                if await self.core.store_value(tenant, key, value):
+                if await self.core.store_value(tenant, key, memoryview(buf).toreadonly()):
                     stored += 1
                 else:
                     rejected += 1
-                held.release()
-                held = None
-            await settle()
+                if held is not None:
+                    held.release()
+                    held = None
         finally:
             if held is not None:
                 held.release()
-            if storing is not None:  # the request failed while a value was being stored:
-                _let_finish(*storing)  # it lands as it would have without the overlap
         status, text = (Status.OK, "") if refused is None else (status_of(refused), str(refused))
         await self.stream.send(dw.reply(Op.PUT, status, count=stored, extra=rejected, text=text))
         if refused is not None:
             raise refused
-
-
-def _let_finish(task: asyncio.Task[bool], hold: Reservation) -> None:
-    """Releases ``hold`` once ``task`` is done, and retrieves its outcome (nobody waits)."""
-
-    def done(t: asyncio.Task[bool]) -> None:
-        hold.release()
-        if not t.cancelled() and t.exception() is not None:
-            logger.warning("data port: storing a value failed after its request did: %r", t.exception())
-
-    task.add_done_callback(done)
 
 
 def _header(head: bytearray) -> tuple[Op, int, int, int]:

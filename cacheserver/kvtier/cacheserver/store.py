@@ -181,12 +181,6 @@ class TieredStore:
     def write_behind_depth(self) -> int:
         return sum(len(wb.pending) for wb in self._behind.values())
 
-    def puts_wait(self) -> bool:
-        """Whether a ``put`` waits on a lower tier's I/O (written through to disk or Redis),
-        rather than returning once the RAM tier holds the value (copies to lower tiers
-        behind it)."""
-        return self.policy.write_through and len(self.tiers) > 1
-
     def receive_buffer(self, size: int, tenant: str) -> bytearray | memoryview:
         """A buffer to receive a value of ``size`` bytes of ``tenant``'s into: recycled by the
         RAM tier if it can.
