@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvtier.cacheserver.disk import exchange
+from kvtier.cacheserver.disk import can_swap_names, exchange
 
 MIB = 1 << 20
 Writer = Callable[[Path, int, int, bytes], None]
@@ -65,10 +65,9 @@ def rename_over(root: Path, thread: int, key: int, value: bytes, seq: int) -> No
 def swap_names(root: Path, thread: int, key: int, value: bytes, seq: int) -> None:
     tmp, final = _tmp_name(root, thread, key, seq), _final(root, thread, key)
     _write_new(tmp, value)
-    if exchange(tmp, final):
-        os.unlink(tmp)
-    else:
-        os.replace(tmp, final)
+    if not exchange(tmp, final):
+        raise RuntimeError(f"{final} vanished during the benchmark")
+    os.unlink(tmp)
 
 
 def truncate_rewrite(root: Path, thread: int, key: int, value: bytes, seq: int) -> None:
@@ -103,12 +102,17 @@ def run_row(
             truncate_rewrite(root, t, k, value, 0)  # every file exists before the clock starts
     os.sync()
 
+    errors: list[BaseException] = []
+
     def work(t: int) -> None:
         seq = 0
-        for _ in range(rounds):
-            for k in range(keys):
-                seq += 1
-                write(root, t, k, value, seq)
+        try:
+            for _ in range(rounds):
+                for k in range(keys):
+                    seq += 1
+                    write(root, t, k, value, seq)
+        except BaseException as exc:  # raised again below, in the caller's thread
+            errors.append(exc)
 
     workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     out0 = _pgpgout_kib()
@@ -118,6 +122,8 @@ def run_row(
     for w in workers:
         w.join()
     elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
     written = (_pgpgout_kib() - out0) / 1024
     return threads * keys * rounds * len(value) / elapsed / 1e9, written
 
@@ -137,6 +143,11 @@ def main(argv: Sequence[str]) -> int:
     value = os.urandom(args.mib * MIB)
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
+        if not can_swap_names(base):
+            print(f"kvtier bench replace: the file system of {base.parent} cannot swap names "
+                  "(renameat2 RENAME_EXCHANGE), so the disk tier renames there; pick --dir "
+                  "on another file system", file=sys.stderr)  # fmt: skip
+            return 1
         for rep in range(args.repeat):
             for threads in (1, 4):
                 for name, write in ROWS:

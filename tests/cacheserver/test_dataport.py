@@ -222,7 +222,7 @@ def test_a_put_written_through_stores_every_value_in_order_even_when_the_budget_
     follow the table's order: a key named twice keeps its last value. (A store that
     overlapped the next value's receive would hold two values at once, and be refused
     here: docs/benchmarks.md, "Tried, not kept".)"""
-    tier, port = start_data_tier(
+    tier, _port = start_data_tier(
         start_tier, *WRITTEN_THROUGH, "--incoming-bytes", "8MiB", "--max-value-bytes", "6MiB"
     )
     values = [value(5 << 20, i) for i in range(5)]

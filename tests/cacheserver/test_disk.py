@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 import shutil
 import stat
-import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import xxhash
 
 from kvtier.cacheserver import record
-from kvtier.cacheserver.disk import DiskTier, _Retirer
+from kvtier.cacheserver.disk import DiskTier, _Retirer, can_swap_names, exchange
 from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
 from kvtier.proto import localwire
 
@@ -306,21 +307,41 @@ async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_reco
         got.close()
 
 
+class Swaps:
+    """A spy on ``disk.exchange`` (the real one runs): counts the names it swapped; ``before``
+    runs first, as a racing Delete or a file system that cannot would."""
+
+    def __init__(self, before: Callable[[Path, Path], None] | None = None) -> None:
+        self.real, self.before = exchange, before
+        self.calls = self.swapped = 0
+
+    def __call__(self, tmp: Path, final: Path) -> bool:
+        self.calls += 1
+        if self.before is not None:
+            self.before(tmp, final)
+        done = self.real(tmp, final)
+        self.swapped += done
+        return done
+
+
 @pytest.mark.parametrize("swap", [True, False], ids=["names swapped", "renamed over"])
 async def test_a_record_replaced_under_readers_is_always_whole_and_leaves_nothing_behind(
     tmp_path: Path, swap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A record replacing one of its key takes its place by a swap of names (``renameat2``
-    ``RENAME_EXCHANGE``: no ext4 flush on the write's path) or, where that is not
-    supported, a rename over it: a reader opening the key's file meanwhile always finds a
+    ``RENAME_EXCHANGE``: no ext4 flush on the write's path) or, where the file system
+    cannot, a rename over it: a reader opening the key's file meanwhile always finds a
     whole record of one of the values written, and neither way leaves a file in ``tmp/``
     or a descriptor of a removed record once the tier is closed."""
     from kvtier.cacheserver import disk
 
-    if sys.platform == "linux" and disk._renameat2 is not None:
-        assert disk._exchange_supported, "renameat2(RENAME_EXCHANGE) was turned off before this test"
-    monkeypatch.setattr(disk, "_exchange_supported", swap and disk._exchange_supported)
+    if swap and not can_swap_names(tmp_path):
+        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
     tier = await opened(tmp_path, capacity=64 << 20)
+    assert tier.swaps  # found able to at start-up
+    tier.swaps = swap
+    swaps = Swaps()
+    monkeypatch.setattr(disk, "exchange", swaps)
     values = [bytes([i]) * (1 << 20) + os.urandom(64) for i in range(40)]
     assert await tier.put(b"k", values[0])
     final = tier._path(b"k")
@@ -347,19 +368,104 @@ async def test_a_record_replaced_under_readers_is_always_whole_and_leaves_nothin
         reader.join(30)
     assert failures == [], failures[:3]
     assert seen and seen <= set(values)
+    assert swaps.swapped == (39 if swap else 0)  # every replacement went the way named
     got = await tier.get(b"k")
     assert got is not None and bytes(got) == values[-1]
     assert list((tmp_path / "tmp").iterdir()) == []
     assert len(files(tmp_path)) == tier.usage().entries == 1
-    assert disk._exchange_supported == (swap and disk._renameat2 is not None and sys.platform == "linux")
     await tier.close()
     assert descriptors_of_removed_files(tmp_path) == []
+
+
+async def test_a_record_deleted_just_before_the_swap_is_renamed_into_place_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old record's name gone between the write and the swap (a Delete or an eviction
+    unlinking it): ``exchange`` declines, the new record is renamed into place, and the tier
+    keeps swapping names afterwards."""
+    from kvtier.cacheserver import disk
+
+    if not can_swap_names(tmp_path):
+        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+    tier = await opened(tmp_path)
+    assert await tier.put(b"k", b"old" * 1000)
+    racing = Swaps(before=lambda _tmp, final: final.unlink())
+    monkeypatch.setattr(disk, "exchange", racing)
+    assert await tier.put(b"k", b"new" * 1000)
+    assert (racing.calls, racing.swapped) == (1, 0)
+    got = await tier.get(b"k")
+    assert got is not None and bytes(got) == b"new" * 1000
+    assert list((tmp_path / "tmp").iterdir()) == [] and len(files(tmp_path)) == 1
+    assert tier.swaps
+    monkeypatch.setattr(disk, "exchange", later := Swaps())
+    assert await tier.put(b"k", b"newer" * 1000)
+    assert later.swapped == 1
+
+
+@pytest.mark.parametrize(
+    ("err", "unsupported"), [(errno.EINVAL, True), (errno.EOPNOTSUPP, True), (errno.EPERM, False)]
+)
+async def test_a_file_system_that_cannot_swap_names_turns_the_swap_off_for_its_tier_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, unsupported: bool
+) -> None:
+    """An error that says the file system cannot swap names (EINVAL, EOPNOTSUPP: an older
+    overlayfs, NFS, FUSE) makes that tier rename instead from then on, the write stored;
+    another tier keeps swapping. An error of one file (EPERM: an immutable record) fails
+    that write only, as a rename over it would."""
+    from kvtier.cacheserver import disk
+
+    if not can_swap_names(tmp_path):
+        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+    tier = await opened(tmp_path / "one")
+    other = await opened(tmp_path / "two")
+    for t in (tier, other):
+        assert await t.put(b"k", b"old" * 1000)
+
+    def refuse(_tmp: Path, final: Path) -> None:
+        raise OSError(err, os.strerror(err), str(final))
+
+    refusing = Swaps(before=refuse)
+    monkeypatch.setattr(disk, "exchange", refusing)
+    if unsupported:
+        assert await tier.put(b"k", b"new" * 1000)
+        got = await tier.get(b"k")
+        assert got is not None and bytes(got) == b"new" * 1000
+        assert not tier.swaps
+        assert await tier.put(b"k", b"newer" * 1000)
+        assert refusing.calls == 1  # not tried again on this tier
+    else:
+        with pytest.raises(TierFailure):
+            await tier.put(b"k", b"new" * 1000)
+        assert tier.swaps
+    assert list((tmp_path / "one" / "tmp").iterdir()) == []
+    monkeypatch.setattr(disk, "exchange", swapping := Swaps())
+    assert await other.put(b"k", b"new" * 1000)
+    assert other.swaps and swapping.swapped == 1
+
+
+async def test_a_tier_whose_file_system_cannot_swap_names_finds_out_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.cacheserver import disk
+
+    def refuse(_tmp: Path, final: Path) -> None:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(final))
+
+    monkeypatch.setattr(disk, "exchange", refusing := Swaps(before=refuse))
+    tier = await opened(tmp_path)
+    assert not tier.swaps and refusing.calls == 1
+    for value in (b"old", b"new"):
+        assert await tier.put(b"k", value * 1000)
+    got = await tier.get(b"k")
+    assert got is not None and bytes(got) == b"new" * 1000
+    assert refusing.calls == 1 and list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_exchange_swaps_two_names_and_declines_a_missing_target(tmp_path: Path) -> None:
     from kvtier.cacheserver import disk
 
-    assert disk._renameat2 is not None and disk._exchange_supported  # glibc 2.28+, Linux 3.15+
+    if not can_swap_names(tmp_path):
+        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"A")
     b.write_bytes(b"B")
@@ -367,7 +473,6 @@ def test_exchange_swaps_two_names_and_declines_a_missing_target(tmp_path: Path) 
     assert (a.read_bytes(), b.read_bytes()) == (b"B", b"A")
     assert not disk.exchange(a, tmp_path / "missing")  # a Delete got there first
     assert a.read_bytes() == b"B" and not (tmp_path / "missing").exists()
-    assert disk._exchange_supported
 
 
 @pytest.mark.parametrize("damage", ["another key's record", "a truncated file", "bad magic"])

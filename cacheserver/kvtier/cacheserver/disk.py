@@ -28,9 +28,13 @@ writing the new file's data to the device at once, on the write's path, for
 applications that replace files without ``fsync``; the tier promises nothing across a
 power loss without ``--disk-fsync`` (the checksum catches what is lost), so it leaves
 that to the kernel's writeback (docs/benchmarks.md, "Replacing a record without
-ext4's flush": 1 MiB PUTs of rewritten keys 2-4x faster, and no device writes for
-records replaced before writeback). Where the swap is not supported (another
-filesystem, an older kernel or C library) the tier renames as before.
+ext4's flush": file rewrites 2-4x faster in ``kvtier bench replace``, same-node PUTs
+of 1 MiB 1.1-1.5x and of 4-64 MiB up to 2.6x, and no device writes for records
+replaced before writeback). So without ``--disk-fsync`` a power loss soon after a key
+was replaced can lose the key: the new record's data was not written yet (its file is
+found empty or wrong at start-up, deleted and counted) and the old one's name is gone.
+Where the file system cannot swap names (``EXCHANGE_UNSUPPORTED``: another file
+system, an older kernel or C library) the tier renames as before and logs it once.
 
 A full filesystem (ENOSPC) before ``capacity_bytes`` is reached is not a
 failure: the tier lowers its capacity to the bytes it holds (logged once per
@@ -98,7 +102,9 @@ _renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # gl
 if _renameat2 is not None:
     _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     _renameat2.restype = ctypes.c_int
-_exchange_supported = sys.platform == "linux"
+# What renameat2 answers where the file system or the kernel cannot swap names (EPERM is
+# not one: it comes from one file, an immutable one, as it would for a rename)
+EXCHANGE_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 
 class _Retirer:
@@ -192,6 +198,9 @@ class DiskTier:
         self._root = directory / "v1"
         self._root_str = str(self._root)
         self._tmp = directory / "tmp"
+        # A record replacing one of its key swaps names with it (``exchange``); off once this
+        # tier's file system says it cannot.
+        self.swaps = sys.platform == "linux"
         # Keys whose file is being written (indexed already, renamed into place at the end).
         self._writing: dict[bytes, asyncio.Task[bool]] = {}
         self._writes_done = 0
@@ -221,6 +230,8 @@ class DiskTier:
         self._tmp.mkdir(parents=True, exist_ok=True)
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
+        if self.swaps and not can_swap_names(self._tmp):
+            self._cannot_swap("tried at start-up")
         found: list[tuple[float, bytes, int]] = []
         for sub in self._root.iterdir():
             if not sub.is_dir():
@@ -458,6 +469,26 @@ class DiskTier:
                 if old is not None:
                     self._retirer.retire(old)
 
+    def _swapped(self, tmp: Path, final: Path) -> bool:
+        """``exchange``, turned off for this tier (``swaps``) when its file system cannot."""
+        try:
+            return exchange(tmp, final)
+        except OSError as exc:
+            if exc.errno not in EXCHANGE_UNSUPPORTED:
+                raise
+            self._cannot_swap(exc.strerror)  # (worker threads may race here: each logs once)
+            return False
+
+    def _cannot_swap(self, why: str | None) -> None:
+        self.swaps = False
+        logger.warning(
+            "disk tier at %s: this file system cannot swap names (renameat2 RENAME_EXCHANGE: %s); "
+            "a record replaces another by a rename over it, which on ext4 starts writing it to "
+            "the device at once",
+            self.directory,
+            why,
+        )
+
     def _write(self, key: bytes, fill: Callable[[int], None]) -> None:
         final = self._path(key)
         tmp = self._tmp / f"{final.name}.{self._tmp_pid}.{next(self._tmp_seq)}"
@@ -476,7 +507,7 @@ class DiskTier:
         os.close(fd)
         old = self._retirer.hold(final)  # the record this one replaces is freed behind
         try:
-            if old is not None and exchange(tmp, final):
+            if old is not None and self.swaps and self._swapped(tmp, final):
                 _unlink_replaced(tmp)  # now the name of the record replaced
             else:
                 try:
@@ -495,23 +526,34 @@ class DiskTier:
 
 
 def exchange(tmp: Path, final: Path) -> bool:
-    """Swaps the names ``tmp`` and ``final`` (``renameat2`` with ``RENAME_EXCHANGE``, Linux
-    3.15; ext4 since 4.0) and returns True; False when ``final`` is gone meanwhile (a Delete
-    or an eviction) or the filesystem or the C library cannot (then never tried again):
-    the caller renames instead."""
-    global _exchange_supported
-    if not _exchange_supported or _renameat2 is None:
-        return False
+    """Swaps the names ``tmp`` and ``final`` (``renameat2`` with ``RENAME_EXCHANGE``: Linux
+    3.15 on ext4, glibc 2.28) and returns True; False when ``final`` is gone (a Delete or an
+    eviction got there first). ``OSError`` otherwise, with an errno of
+    ``EXCHANGE_UNSUPPORTED`` where the file system, the kernel or the C library cannot."""
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not in this C library", str(final))
     if _renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err == errno.ENOENT:
         return False
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
-        _exchange_supported = False
-        logger.info("disk tier: renameat2(RENAME_EXCHANGE) unsupported here (%s); renaming over records instead", os.strerror(err))
-        return False
     raise OSError(err, os.strerror(err), str(final))
+
+
+def can_swap_names(directory: Path) -> bool:
+    """Whether ``exchange`` works in ``directory`` (tried on two files made there and removed)."""
+    a, b = directory / f".swap-probe-a.{os.getpid()}", directory / f".swap-probe-b.{os.getpid()}"
+    a.write_bytes(b"a")
+    try:
+        b.write_bytes(b"b")
+        return exchange(a, b)
+    except OSError as exc:
+        if exc.errno in EXCHANGE_UNSUPPORTED:
+            return False
+        raise
+    finally:
+        a.unlink(missing_ok=True)
+        b.unlink(missing_ok=True)
 
 
 def _unlink_replaced(path: Path) -> None:
