@@ -461,6 +461,21 @@ async def test_a_tier_whose_file_system_cannot_swap_names_finds_out_at_start_up(
     assert refusing.calls == 1 and list((tmp_path / "tmp").iterdir()) == []
 
 
+async def test_a_tier_whose_probe_cannot_write_still_opens_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up probe failing for another reason than the file system's (a ``tmp/`` not
+    writable now) does not stop the tier from opening: its writes and ``ping`` say so."""
+    from kvtier.cacheserver import disk
+
+    def refuse(_tmp: Path, final: Path) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(final))
+
+    monkeypatch.setattr(disk, "exchange", Swaps(before=refuse))
+    tier = await opened(tmp_path)
+    assert tier.swaps and list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_exchange_swaps_two_names_and_declines_a_missing_target(tmp_path: Path) -> None:
     from kvtier.cacheserver import disk
 

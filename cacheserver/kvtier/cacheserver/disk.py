@@ -230,8 +230,11 @@ class DiskTier:
         self._tmp.mkdir(parents=True, exist_ok=True)
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
-        if self.swaps and not can_swap_names(self._tmp):
-            self._cannot_swap("tried at start-up")
+        try:
+            if self.swaps and not can_swap_names(self._tmp):
+                self._cannot_swap("tried at start-up")
+        except OSError:
+            pass  # tmp/ not writable now: as before, the writes say so (and ping)
         found: list[tuple[float, bytes, int]] = []
         for sub in self._root.iterdir():
             if not sub.is_dir():
