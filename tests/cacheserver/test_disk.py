@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvtier.cacheserver import record
+from kvtier.cacheserver import disk, record
 from kvtier.cacheserver.disk import DiskTier, _Retirer, can_swap_names, exchange
 from kvtier.cacheserver.errors import ChecksumMismatch, TierFailure
 from kvtier.proto import localwire
@@ -307,6 +307,22 @@ async def test_open_record_of_a_file_replaced_meanwhile_still_reads_the_old_reco
         got.close()
 
 
+def needs_swapping(directory: Path) -> None:
+    """Skips a test of the swap of names where ``directory``'s file system cannot swap (a
+    platform fact: NFS, FUSE, an older overlayfs; ext4 and tmpfs can)."""
+    if not can_swap_names(directory):
+        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+
+
+def failing_with(err: int) -> Callable[[Path, Path], None]:
+    """A ``Swaps.before`` that fails as renameat2 would with ``err``."""
+
+    def fail(_tmp: Path, final: Path) -> None:
+        raise OSError(err, os.strerror(err), str(final))
+
+    return fail
+
+
 class Swaps:
     """A spy on ``disk.exchange`` (the real one runs): counts the names it swapped; ``before``
     runs first, as a racing Delete or a file system that cannot would."""
@@ -333,10 +349,8 @@ async def test_a_record_replaced_under_readers_is_always_whole_and_leaves_nothin
     cannot, a rename over it: a reader opening the key's file meanwhile always finds a
     whole record of one of the values written, and neither way leaves a file in ``tmp/``
     or a descriptor of a removed record once the tier is closed."""
-    from kvtier.cacheserver import disk
-
-    if swap and not can_swap_names(tmp_path):
-        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+    if swap:
+        needs_swapping(tmp_path)
     tier = await opened(tmp_path, capacity=64 << 20)
     assert tier.swaps  # found able to at start-up
     tier.swaps = swap
@@ -383,10 +397,7 @@ async def test_a_record_deleted_just_before_the_swap_is_renamed_into_place_inste
     """The old record's name gone between the write and the swap (a Delete or an eviction
     unlinking it): ``exchange`` declines, the new record is renamed into place, and the tier
     keeps swapping names afterwards."""
-    from kvtier.cacheserver import disk
-
-    if not can_swap_names(tmp_path):
-        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+    needs_swapping(tmp_path)
     tier = await opened(tmp_path)
     assert await tier.put(b"k", b"old" * 1000)
     racing = Swaps(before=lambda _tmp, final: final.unlink())
@@ -412,19 +423,13 @@ async def test_a_file_system_that_cannot_swap_names_turns_the_swap_off_for_its_t
     overlayfs, NFS, FUSE) makes that tier rename instead from then on, the write stored;
     another tier keeps swapping. An error of one file (EPERM: an immutable record) fails
     that write only, as a rename over it would."""
-    from kvtier.cacheserver import disk
-
-    if not can_swap_names(tmp_path):
-        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+    needs_swapping(tmp_path)
     tier = await opened(tmp_path / "one")
     other = await opened(tmp_path / "two")
     for t in (tier, other):
         assert await t.put(b"k", b"old" * 1000)
 
-    def refuse(_tmp: Path, final: Path) -> None:
-        raise OSError(err, os.strerror(err), str(final))
-
-    refusing = Swaps(before=refuse)
+    refusing = Swaps(before=failing_with(err))
     monkeypatch.setattr(disk, "exchange", refusing)
     if unsupported:
         assert await tier.put(b"k", b"new" * 1000)
@@ -446,12 +451,7 @@ async def test_a_file_system_that_cannot_swap_names_turns_the_swap_off_for_its_t
 async def test_a_tier_whose_file_system_cannot_swap_names_finds_out_at_start_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.cacheserver import disk
-
-    def refuse(_tmp: Path, final: Path) -> None:
-        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(final))
-
-    monkeypatch.setattr(disk, "exchange", refusing := Swaps(before=refuse))
+    monkeypatch.setattr(disk, "exchange", refusing := Swaps(before=failing_with(errno.EINVAL)))
     tier = await opened(tmp_path)
     assert not tier.swaps and refusing.calls == 1
     for value in (b"old", b"new"):
@@ -466,21 +466,13 @@ async def test_a_tier_whose_probe_cannot_write_still_opens_as_before(
 ) -> None:
     """The start-up probe failing for another reason than the file system's (a ``tmp/`` not
     writable now) does not stop the tier from opening: its writes and ``ping`` say so."""
-    from kvtier.cacheserver import disk
-
-    def refuse(_tmp: Path, final: Path) -> None:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(final))
-
-    monkeypatch.setattr(disk, "exchange", Swaps(before=refuse))
+    monkeypatch.setattr(disk, "exchange", Swaps(before=failing_with(errno.EROFS)))
     tier = await opened(tmp_path)
     assert tier.swaps and list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_exchange_swaps_two_names_and_declines_a_missing_target(tmp_path: Path) -> None:
-    from kvtier.cacheserver import disk
-
-    if not can_swap_names(tmp_path):
-        pytest.skip("this file system cannot swap names (renameat2 RENAME_EXCHANGE)")
+    needs_swapping(tmp_path)
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"A")
     b.write_bytes(b"B")
