@@ -370,6 +370,33 @@ async def test_usage_refreshes_in_the_background_while_calls_flow(tier: RedisTie
     assert tier.usage().entries == 1
 
 
+async def test_usage_read_after_the_last_calls_once_the_interval_is_up(tier: RedisTier) -> None:
+    """A burst of calls inside one interval: the first call's read is not the last one, so
+    a tier that goes idle after the burst shows what it holds then (Grafana's entries
+    gauge stayed at the burst's first read before)."""
+    tier.stats_interval_s = 2.0
+    await tier.put(b"k0", VALUE)
+    for _ in range(200):  # the first call's read: at once
+        if tier.usage().entries == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert tier.usage().entries == 1
+    for i in range(1, 4):  # inside the interval, then nothing more
+        await tier.put(b"k%d" % i, VALUE)
+    assert tier.usage().entries == 1  # not read again yet: at most one read per interval
+    for _ in range(600):
+        if tier.usage().entries == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert tier.usage().entries == 4
+    assert await tier.delete([b"k0", b"k1"]) == 2  # a Delete is followed by a read too
+    for _ in range(600):
+        if tier.usage().entries == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert tier.usage().entries == 2
+
+
 async def test_evictions_by_redis_are_counted(tmp_path: Path) -> None:
     server = RedisServer.start(
         tmp_path / "r", config={"maxmemory": "4mb", "maxmemory-policy": "allkeys-lru"}

@@ -49,8 +49,9 @@ Usage (``usage()``) is what Redis reports about the whole server (cluster: the
 sum over primaries), not only kvtier's keys: ``used_bytes`` is ``used_memory``,
 ``capacity_bytes`` is ``maxmemory`` (0 when unset), ``entries`` the number of keys
 in the database, and ``counters.evictions`` grows with Redis's ``evicted_keys``.
-They are read with ``INFO`` by ``ping()`` and, while calls flow, in the
-background at most every ``stats_interval_s``; before the first read they are 0.
+They are read with ``INFO`` by ``ping()`` and, after Gets, Puts and Deletes, in the
+background at most every ``stats_interval_s`` (the last calls before the tier goes idle
+are in a read too, at most that long after them); before the first read they are 0.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class RedisTier:
         self._usage = TierUsage(used_bytes=0, capacity_bytes=0, entries=0)
         self._evicted_seen: dict[str, int] = {}
         self._stats_at = -float("inf")
+        self._stats_stale = False  # a call since the last read began
         self._stats_task: asyncio.Task[None] | None = None
 
         scheme = url.partition("://")[0].lower() if "://" in url else ""
@@ -236,6 +238,7 @@ class RedisTier:
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         deleted = sum(await self._per_key("DEL", keys))
+        self._maybe_refresh_stats()
         if self.ledger is not None:
             by_tenant: dict[str, list[bytes]] = {}
             for key in keys:
@@ -363,17 +366,24 @@ class RedisTier:
         return results
 
     def _maybe_refresh_stats(self) -> None:
-        """Starts a background INFO read when the last one is older than ``stats_interval_s``."""
-        if time.monotonic() - self._stats_at < self.stats_interval_s:
-            return
-        if self._stats_task is not None and not self._stats_task.done():
-            return
-        self._stats_at = time.monotonic()  # one attempt per interval, even when it fails
-        self._stats_task = asyncio.create_task(self._refresh_stats_quietly())
+        """Marks the stats stale after a call, and starts the background task that reads
+        them (``INFO``) unless it runs: at once when the last read is older than
+        ``stats_interval_s``, else once that interval is up. So a burst of calls costs one
+        read per interval, and the last calls of a burst are in a read too (an idle tier
+        shows what it held when it went idle, not what it held at the burst's first call)."""
+        self._stats_stale = True
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.create_task(self._refresh_stats_while_stale())
 
-    async def _refresh_stats_quietly(self) -> None:
-        with contextlib.suppress(TierFailure):
-            await self._refresh_stats()
+    async def _refresh_stats_while_stale(self) -> None:
+        while self._stats_stale:
+            wait = self._stats_at + self.stats_interval_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._stats_stale = False  # calls from here on come after this read: another
+            self._stats_at = time.monotonic()  # one attempt per interval, even when it fails
+            with contextlib.suppress(TierFailure):
+                await self._refresh_stats()
 
     async def _refresh_stats(self) -> None:
         try:
