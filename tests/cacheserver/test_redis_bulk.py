@@ -4,7 +4,7 @@ The tier's behaviour through it (passwords, databases, TTLs, a full Redis, fault
 tested in ``test_redis_tier.py``, which runs on it for every ``redis://`` and ``unix://``
 URL; these tests pin what is its own: the bytes on the wire, replies received in pieces
 into buffers that are reused only once free, connections that are never reused after a
-failure, and which URLs use it.
+failure, a timeout or a cancelled call, and which URLs use it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,8 +23,8 @@ import redis
 
 from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.readbuffers import ReadBuffers
-from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError, SetupRefused
-from kvtier.cacheserver.redis_tier import BULK_SET_BUSY_MIN, BULK_SET_MIN, KEY_PREFIX, RedisTier
+from kvtier.cacheserver.redis_bulk import BulkClient, LoopClient, RedisReplyError, SetupRefused
+from kvtier.cacheserver.redis_tier import BULK_SET_THREAD_MIN, KEY_PREFIX, RedisTier
 from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 
 MiB = 1 << 20
@@ -35,166 +35,194 @@ def raw(server: RedisServer) -> redis.Redis:
 
 
 @pytest.fixture
-def client(redis_server: RedisServer) -> Iterator[BulkClient]:
-    c = BulkClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0)
+async def client(redis_server: RedisServer) -> AsyncIterator[LoopClient]:
+    c = LoopClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0)
     yield c
     c.close()
 
 
-def test_set_from_several_parts_stores_them_joined(
-    client: BulkClient, redis_server: RedisServer
+async def test_set_from_several_parts_stores_them_joined(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
     parts = (b"head:", bytearray(b"\x00\r\n$-1\r\n" * 3), memoryview(os.urandom(3 * MiB + 7)))
-    assert client.set(b"k", parts)
+    assert await client.set(b"k", parts)
     assert raw(redis_server).get(b"k") == b"".join(bytes(p) for p in parts)
 
 
-def test_get_reads_a_value_received_in_many_pieces(
-    client: BulkClient, redis_server: RedisServer
+async def test_get_reads_a_value_received_in_many_pieces(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
     value = os.urandom(64 * MiB + 3)
     raw(redis_server).set(b"big", value)
-    got = client.get(b"big")
+    got = await client.get(b"big")
     assert got is not None and got.nbytes == len(value) and got == value
 
 
+async def test_a_set_larger_than_the_socket_takes_at_once_waits_and_sends_it_whole(
+    client: LoopClient, redis_server: RedisServer
+) -> None:
+    value = os.urandom(64 * MiB + 5)  # far more than a socket buffer: sendmsg takes a part
+    assert await client.set(b"big", (value,))
+    assert raw(redis_server).get(b"big") == value
+
+
 @pytest.mark.parametrize("value", [b"", b"x", b"\r\n", b"$5\r\nhello\r\n"])
-def test_short_and_protocol_like_values_round_trip(client: BulkClient, value: bytes) -> None:
-    assert client.set(b"k", (value,))
-    got = client.get(b"k")
+async def test_short_and_protocol_like_values_round_trip(client: LoopClient, value: bytes) -> None:
+    assert await client.set(b"k", (value,))
+    got = await client.get(b"k")
     assert got is not None and bytes(got) == value
 
 
-def test_get_of_a_missing_key_is_none(client: BulkClient) -> None:
-    assert client.get(b"nobody") is None
+async def test_get_of_a_missing_key_is_none(client: LoopClient) -> None:
+    assert await client.get(b"nobody") is None
 
 
-def test_set_with_ex_sets_the_expiry(client: BulkClient, redis_server: RedisServer) -> None:
-    assert client.set(b"k", (b"v",), ex=100)
+async def test_set_with_ex_sets_the_expiry(client: LoopClient, redis_server: RedisServer) -> None:
+    assert await client.set(b"k", (b"v",), ex=100)
     assert 0 < raw(redis_server).ttl(b"k") <= 100
 
 
-def test_error_reply_raises_and_leaves_the_connection_usable(
-    client: BulkClient, redis_server: RedisServer
+async def test_error_reply_raises_and_leaves_the_connection_usable(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
     raw(redis_server).rpush(b"list", b"a")
     with pytest.raises(RedisReplyError) as err:
-        client.get(b"list")
+        await client.get(b"list")
     assert err.value.code == "WRONGTYPE"
-    client.set(b"k", (b"v",))
-    assert client.get(b"k") == b"v"
+    await client.set(b"k", (b"v",))
+    assert await client.get(b"k") == b"v"
     assert len(client._idle) == 1  # the one connection, kept through the error
 
 
-def test_a_value_still_held_is_never_overwritten_by_the_next_get(
-    client: BulkClient, redis_server: RedisServer
+async def test_a_value_still_held_is_never_overwritten_by_the_next_get(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
     a, b = os.urandom(2 * MiB), os.urandom(2 * MiB)
     r = raw(redis_server)
     r.set(b"a", a)
     r.set(b"b", b)
-    held = client.get(b"a")
+    held = await client.get(b"a")
     assert held is not None
     for _ in range(3):
-        got_b = client.get(b"b")
+        got_b = await client.get(b"b")
         assert got_b == b
         del got_b  # freed: its buffer may be reused by the next Get
     assert held == a  # the held view's buffer was never handed out again
     assert client.buffers.reused >= 2
 
 
-def test_buffers_of_freed_values_are_reused(redis_server: RedisServer) -> None:
+async def test_buffers_of_freed_values_are_reused(redis_server: RedisServer) -> None:
     buffers = ReadBuffers()
-    c = BulkClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0, buffers=buffers)
+    c = LoopClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0, buffers=buffers)
     try:
         raw(redis_server).set(b"k", os.urandom(4 * MiB))
         for _ in range(4):
-            assert c.get(b"k") is not None
+            assert await c.get(b"k") is not None
         assert buffers.reused == 3
     finally:
         c.close()
 
 
-def test_concurrent_calls_from_threads_each_get_their_own_value(client: BulkClient) -> None:
+async def test_concurrent_calls_each_get_their_own_value_on_a_connection_of_their_own(
+    client: LoopClient,
+) -> None:
     values = {b"k%d" % i: os.urandom(MiB + i) for i in range(8)}
-    errors: list[BaseException] = []
 
-    def worker(key: bytes) -> None:
-        try:
-            for _ in range(5):
-                assert client.set(key, (values[key],))
-                got = client.get(key)
-                assert got is not None and got == values[key]
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+    async def worker(key: bytes) -> None:
+        for _ in range(5):
+            assert await client.set(key, (values[key],))
+            got = await client.get(key)
+            assert got is not None and got == values[key]
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in values]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors
-    assert 1 <= len(client._idle) <= len(values)
+    await asyncio.wait_for(asyncio.gather(*(worker(k) for k in values)), 60)
+    assert 2 <= len(client._idle) <= len(values)  # calls overlapped, each on its own
 
 
-def test_a_connection_the_server_dropped_is_replaced_once_transparently(
-    client: BulkClient, redis_server: RedisServer
+async def test_calls_beyond_the_bound_wait_their_turn_on_as_many_connections(
+    redis_server: RedisServer,
 ) -> None:
-    client.set(b"k", (b"v",))
+    c = LoopClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0, max_calls=4)
+    try:
+        values = {b"k%d" % i: os.urandom(MiB + i) for i in range(40)}
+        assert all(await asyncio.gather(*(c.set(k, (v,)) for k, v in values.items())))
+        got = await asyncio.gather(*(c.get(k) for k in values))
+        assert [bytes(g) for g in got if g is not None] == list(values.values())
+        assert len(c._idle) == 4  # 40 calls at once, 4 connections
+        names = [x["name"] for x in raw(redis_server).client_list()]
+        assert names.count("kvtier") == 4
+    finally:
+        c.close()
+
+
+async def test_a_connection_the_server_dropped_is_replaced_once_transparently(
+    client: LoopClient, redis_server: RedisServer
+) -> None:
+    await client.set(b"k", (b"v",))
     assert raw(redis_server).client_kill_filter(_type="normal", skipme=True) >= 1
-    assert client.get(b"k") == b"v"  # the stale pooled connection failed; a new one answered
+    assert await client.get(b"k") == b"v"  # the stale pooled connection failed; a new one
 
 
-def test_restarted_server_is_served_at_once_however_many_connections_were_idle(
-    client: BulkClient, redis_server: RedisServer
+async def test_restarted_server_is_served_at_once_however_many_connections_were_idle(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
-    held = threading.Barrier(6)
-
-    def hold_one() -> None:  # six calls at once: six connections, then idle
-        held.wait()
-        assert client.set(b"k", (b"v",))
-
-    threads = [threading.Thread(target=hold_one) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    value = os.urandom(4 * MiB)  # six SETs at once: six connections, then idle
+    assert await asyncio.gather(*(client.set(b"k%d" % i, (value,)) for i in range(6)))
     assert len(client._idle) >= 2
     redis_server.restart()
-    assert client.get(b"k") is None  # the first stale one failed: all dropped, a new one
+    assert await client.get(b"k0") is None  # the first stale one failed: all dropped, a new one
     assert len(client._idle) == 1
 
 
-def test_restarted_server_is_served_by_new_connections(
-    client: BulkClient, redis_server: RedisServer
+async def test_restarted_server_is_served_by_new_connections(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
-    client.set(b"k", (b"v",))
+    await client.set(b"k", (b"v",))
     redis_server.restart()  # a standalone server comes back empty
-    assert client.get(b"k") is None
-    assert client.set(b"k", (b"w",)) and client.get(b"k") == b"w"
+    assert await client.get(b"k") is None
+    assert await client.set(b"k", (b"w",)) and await client.get(b"k") == b"w"
 
 
-def test_a_timed_out_connection_is_closed_not_reused(
-    client: BulkClient, redis_server: RedisServer
+async def test_a_timed_out_connection_is_closed_not_reused(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
-    client.set(b"k", (b"v",))
+    await client.set(b"k", (b"v",))
     client.timeout_s = 0.3
     redis_server.pause()
     try:
         start = time.monotonic()
         with pytest.raises(TimeoutError):
-            client.get(b"k")
+            await client.get(b"k")
         assert time.monotonic() - start < 1.0
         assert client._idle == []  # it may hold the late reply: never reused
     finally:
         redis_server.resume()
-    client.set(b"k", (b"w",))  # on a new connection: a reused one would read "v"'s GET reply
-    assert client.get(b"k") == b"w"
+    await client.set(b"k", (b"w",))  # on a new connection: a reused one would read "v"'s reply
+    assert await client.get(b"k") == b"w"
+
+
+async def test_a_cancelled_call_closes_its_connection(
+    client: LoopClient, redis_server: RedisServer
+) -> None:
+    """A caller that goes away mid-call (the tier's request cancelled) leaves a connection
+    that may hold half a request or a late reply: it is closed, never reused."""
+    await client.set(b"k", (b"v",))
+    redis_server.pause()
+    try:
+        call = asyncio.ensure_future(client.get(b"k"))
+        await asyncio.sleep(0.2)  # sent, waiting for the reply
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert client._idle == []
+    finally:
+        redis_server.resume()
+    await client.set(b"k", (b"w",))
+    assert await client.get(b"k") == b"w"
 
 
 class Peer:
     """A listener on 127.0.0.1 that answers each connection with ``answer`` (a
-    misbehaving Redis: one that hangs up, or trickles a reply)."""
+    misbehaving Redis: one that hangs up, or trickles a reply), in a thread."""
 
     def __init__(self, answer) -> None:  # type: ignore[no-untyped-def]
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -214,21 +242,21 @@ class Peer:
         self.listener.close()
 
 
-def test_a_server_that_hangs_up_during_set_up_is_a_connection_error() -> None:
+async def test_a_server_that_hangs_up_during_set_up_is_a_connection_error() -> None:
     def hang_up(conn: socket.socket) -> None:
         conn.recv(1024)  # CLIENT SETNAME, unanswered
 
     peer = Peer(hang_up)
-    c = BulkClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
+    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
     try:
         with pytest.raises(ConnectionError):
-            c.get(b"k")
+            await c.get(b"k")
     finally:
         c.close()
         peer.close()
 
 
-def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it() -> None:
+async def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it() -> None:
     def trickle(conn: socket.socket) -> None:
         conn.recv(1024)
         conn.sendall(b"+OK\r\n")  # CLIENT SETNAME
@@ -239,11 +267,11 @@ def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it() -> 
             conn.sendall(b"x")
 
     peer = Peer(trickle)
-    c = BulkClient(host="127.0.0.1", port=peer.port, timeout_s=0.5)
+    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=0.5)
     try:
         start = time.monotonic()
         with pytest.raises(TimeoutError):
-            c.get(b"k")
+            await c.get(b"k")
         assert time.monotonic() - start < 1.0
         assert c._idle == []
     finally:
@@ -251,146 +279,265 @@ def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it() -> 
         peer.close()
 
 
-def test_an_empty_password_sends_no_auth(redis_server: RedisServer) -> None:
-    c = BulkClient(host="127.0.0.1", port=redis_server.port, password="", timeout_s=5.0)
+async def test_a_reply_that_is_not_resp_is_a_protocol_error_and_the_connection_closed() -> None:
+    def garbage(conn: socket.socket) -> None:
+        conn.recv(1024)
+        conn.sendall(b"+OK\r\n")  # CLIENT SETNAME
+        conn.recv(1024)
+        conn.sendall(b"%3\r\nnot a bulk string\r\n")
+        conn.recv(1024)  # until the client hangs up
+
+    peer = Peer(garbage)
+    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
     try:
-        assert c.set(b"k", (b"v",)) and c.get(b"k") == b"v"
+        with pytest.raises(ConnectionError, match="bulk string"):
+            await c.get(b"k")
+        assert c._idle == []
+    finally:
+        c.close()
+        peer.close()
+
+
+async def test_a_host_name_is_resolved(redis_server: RedisServer) -> None:
+    c = LoopClient(host="localhost", port=redis_server.port, timeout_s=5.0)
+    try:
+        assert await c.set(b"k", (b"v",)) and await c.get(b"k") == b"v"
     finally:
         c.close()
 
 
-def test_killed_server_fails_at_once_with_a_connection_error(
-    client: BulkClient, redis_server: RedisServer
+async def test_an_empty_password_sends_no_auth(redis_server: RedisServer) -> None:
+    c = LoopClient(host="127.0.0.1", port=redis_server.port, password="", timeout_s=5.0)
+    try:
+        assert await c.set(b"k", (b"v",)) and await c.get(b"k") == b"v"
+    finally:
+        c.close()
+
+
+async def test_killed_server_fails_at_once_with_a_connection_error(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
-    client.set(b"k", (b"v",))
+    await client.set(b"k", (b"v",))
     redis_server.kill()
     start = time.monotonic()
     with pytest.raises(ConnectionError):
-        client.get(b"k")
+        await client.get(b"k")
     assert time.monotonic() - start < 1.0
 
 
-def test_oom_refusal_returns_false(tmp_path: Path) -> None:
+async def test_oom_refusal_returns_false(tmp_path: Path) -> None:
     server = RedisServer.start(
         tmp_path / "r", config={"maxmemory": "2mb", "maxmemory-policy": "noeviction"}
     )
-    c = BulkClient(host="127.0.0.1", port=server.port, timeout_s=5.0)
+    c = LoopClient(host="127.0.0.1", port=server.port, timeout_s=5.0)
     try:
-        stored = [c.set(b"k%d" % i, (bytes(256 << 10),)) for i in range(16)]
+        stored = [await c.set(b"k%d" % i, (bytes(256 << 10),)) for i in range(16)]
         assert stored[0] and not stored[-1]
-        assert c.get(b"k0") is not None  # the connection stays usable after -OOM
+        assert await c.get(b"k0") is not None  # the connection stays usable after -OOM
     finally:
         c.close()
         server.stop()
 
 
-def test_wrong_password_is_refused_at_set_up(tmp_path: Path) -> None:
+async def test_wrong_password_is_refused_at_set_up(tmp_path: Path) -> None:
     server = RedisServer.start(tmp_path / "r", password="right")
-    c = BulkClient(host="127.0.0.1", port=server.port, password="wrong", timeout_s=5.0)
+    c = LoopClient(host="127.0.0.1", port=server.port, password="wrong", timeout_s=5.0)
     try:
         with pytest.raises(SetupRefused, match="AUTH"):
-            c.get(b"k")
+            await c.get(b"k")
     finally:
         c.close()
         server.stop()
 
 
-def test_connections_are_named_kvtier(client: BulkClient, redis_server: RedisServer) -> None:
-    client.set(b"k", (b"v",))
+async def test_connections_are_named_kvtier(client: LoopClient, redis_server: RedisServer) -> None:
+    await client.set(b"k", (b"v",))
     names = [c["name"] for c in raw(redis_server).client_list()]
     assert "kvtier" in names
 
 
-def test_closed_client_refuses_calls_and_keeps_no_connection(
-    client: BulkClient, redis_server: RedisServer
+async def test_closed_client_refuses_calls_and_keeps_no_connection(
+    client: LoopClient, redis_server: RedisServer
 ) -> None:
-    client.set(b"k", (b"v",))
+    await client.set(b"k", (b"v",))
     client.close()
     assert client._idle == []
     with pytest.raises(ConnectionError):
-        client.get(b"k")
+        await client.get(b"k")
 
 
-# --- which URLs and values the tier uses it for -------------------------------------
+# --- the blocking client: SETs of large records, from worker threads --------------------
 
 
-async def test_tier_stores_large_values_through_it_over_tcp_and_unix_sockets(
+@pytest.fixture
+def bulk(redis_server: RedisServer) -> Iterator[BulkClient]:
+    c = BulkClient(host="127.0.0.1", port=redis_server.port, timeout_s=5.0)
+    yield c
+    c.close()
+
+
+def test_blocking_set_from_several_parts_stores_them_joined_with_its_expiry(
+    bulk: BulkClient, redis_server: RedisServer
+) -> None:
+    parts = (b"head:", bytearray(b"\x00\r\n$-1\r\n" * 3), memoryview(os.urandom(64 * MiB + 7)))
+    assert bulk.set(b"k", parts, ex=100)
+    assert raw(redis_server).get(b"k") == b"".join(bytes(p) for p in parts)
+    assert 0 < raw(redis_server).ttl(b"k") <= 100
+
+
+def test_blocking_sets_from_threads_each_store_their_own_value(
+    bulk: BulkClient, redis_server: RedisServer
+) -> None:
+    values = {b"k%d" % i: os.urandom(MiB + i) for i in range(8)}
+    errors: list[BaseException] = []
+
+    def worker(key: bytes) -> None:
+        try:
+            for _ in range(5):
+                assert bulk.set(key, (values[key],))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    r = raw(redis_server)
+    assert all(r.get(k) == v for k, v in values.items())
+    assert 1 <= len(bulk._idle) <= len(values)
+
+
+def test_blocking_set_replaces_a_connection_the_server_dropped_once_transparently(
+    bulk: BulkClient, redis_server: RedisServer
+) -> None:
+    assert bulk.set(b"k", (b"v",))
+    assert raw(redis_server).client_kill_filter(_type="normal", skipme=True) >= 1
+    assert bulk.set(b"k", (b"w",))  # the stale pooled connection failed; a new one
+    assert raw(redis_server).get(b"k") == b"w"
+
+
+def test_blocking_set_that_timed_out_closes_its_connection(
+    bulk: BulkClient, redis_server: RedisServer
+) -> None:
+    assert bulk.set(b"k", (b"v",))
+    bulk.timeout_s = 0.3
+    redis_server.pause()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            bulk.set(b"k", (b"w",))
+        assert time.monotonic() - start < 1.0
+        assert bulk._idle == []  # it may hold the late reply: never reused
+    finally:
+        redis_server.resume()
+
+
+def test_blocking_set_refused_for_memory_returns_false_and_a_wrong_password_at_set_up(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer.start(
+        tmp_path / "r",
+        config={"maxmemory": "2mb", "maxmemory-policy": "noeviction"},
+        password="right",
+    )
+    c = BulkClient(host="127.0.0.1", port=server.port, password="right", timeout_s=5.0)
+    wrong = BulkClient(host="127.0.0.1", port=server.port, password="wrong", timeout_s=5.0)
+    try:
+        stored = [c.set(b"k%d" % i, (bytes(256 << 10),)) for i in range(16)]
+        assert stored[0] and not stored[-1]
+        assert len(c._idle) == 1  # the connection stays usable after -OOM
+        with pytest.raises(SetupRefused, match="AUTH"):
+            wrong.set(b"k", (b"v",))
+    finally:
+        c.close()
+        wrong.close()
+        server.stop()
+
+
+def test_blocking_client_that_hangs_up_during_set_up_is_a_connection_error() -> None:
+    peer = Peer(lambda conn: conn.recv(1024))  # CLIENT SETNAME, unanswered
+    c = BulkClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
+    try:
+        with pytest.raises(ConnectionError):
+            c.set(b"k", (b"v",))
+    finally:
+        c.close()
+        peer.close()
+
+
+def test_blocking_client_closed_refuses_calls_and_keeps_no_connection(bulk: BulkClient) -> None:
+    assert bulk.set(b"k", (b"v",))
+    bulk.close()
+    assert bulk._idle == []
+    with pytest.raises(ConnectionError):
+        bulk.set(b"k", (b"v",))
+
+
+# --- which URLs and values the tier uses them for ---------------------------------------
+
+
+async def test_tier_gets_and_sets_values_on_the_loop_over_tcp_and_unix_sockets(
     redis_server: RedisServer,
 ) -> None:
     for url in (redis_server.url, redis_server.unix_url):
         t = RedisTier(url)
         try:
-            assert t._bulk is not None
-            value = os.urandom(BULK_SET_MIN)
-            assert await t.put(b"key", value)
-            assert len(t._bulk._idle) == 1  # the SET went over the tier's own client
-            assert await t.get(b"key") == value
+            assert t._values is not None and t._bulk is not None
+            values = {b"small": b"v", b"mib": os.urandom(MiB), b"4mib": os.urandom(4 * MiB)}
+            for key, value in values.items():
+                assert await t.put(key, value)
+                assert await t.get(key) == value
+            assert len(t._values._idle) == 1  # every call on the loop's client, one at a time
+            assert t._bulk._idle == []  # none in a thread
         finally:
             await t.close()
 
 
-async def test_tier_sets_small_values_through_redis_py_and_gets_them_through_it(
+async def test_tier_sets_records_from_the_thread_minimum_up_in_a_worker_thread(
     redis_server: RedisServer,
 ) -> None:
-    t = RedisTier(redis_server.url)
-    try:
-        assert t._bulk is not None
-        assert await t.put(b"key", b"small")
-        assert t._bulk._idle == []  # no connection of its own yet: redis-py sent the SET
-        assert await t.get(b"key") == b"small"
-        assert len(t._bulk._idle) == 1
-    finally:
-        await t.close()
-
-
-async def test_tier_sets_a_ttl_on_large_values_too(redis_server: RedisServer) -> None:
     t = RedisTier(redis_server.url, ttl_s=100)
     try:
-        assert await t.put(b"key", bytes(BULK_SET_MIN))
+        assert t._values is not None and t._bulk is not None
+        value = os.urandom(BULK_SET_THREAD_MIN)
+        assert await t.put(b"key", value)
+        assert len(t._bulk._idle) == 1 and t._values._idle == []  # the SET, in a thread
+        assert await t.get(b"key") == value
+        assert len(t._values._idle) == 1  # the GET, on the loop
     finally:
         await t.close()
     assert 0 < raw(redis_server).ttl(KEY_PREFIX + b"key") <= 100
 
 
-async def test_tier_megabyte_sets_take_the_own_client_only_while_another_set_is_in_flight(
+async def test_tier_megabyte_sets_overlap_on_the_loop_each_under_its_own_key(
     redis_server: RedisServer,
 ) -> None:
     t = RedisTier(redis_server.url)
-    own: list[bytes] = []  # keys the tier's own client SET (the real call, observed)
-    real_set = t._bulk_set
-
-    def observed(key: bytes, value: bytes | memoryview) -> bool:
-        own.append(key)
-        return real_set(key, value)
-
-    t._bulk_set = observed  # type: ignore[method-assign]
     try:
-        alone = os.urandom(BULK_SET_BUSY_MIN)
-        assert await t.put(b"alone", alone)
-        assert own == []  # an idle tier: through redis-py, no thread hop
-        values = [os.urandom(BULK_SET_BUSY_MIN + i) for i in range(4)]
+        values = [os.urandom(MiB + i) for i in range(6)]
         stored = await asyncio.gather(*(t.put(b"k%d" % i, v) for i, v in enumerate(values)))
-        assert stored == [True] * 4
-        assert sorted(own) == [b"k1", b"k2", b"k3"]  # each SET after the first found one in flight
+        assert stored == [True] * 6
+        assert t._values is not None and len(t._values._idle) >= 2  # several in flight at once
         for i, value in enumerate(values):
-            assert await t.get(b"k%d" % i) == value  # each whole, under its own key
-        assert await t.get(b"alone") == alone
-        assert await t.put(b"big", bytes(BULK_SET_MIN))
-        assert own[-1] == b"big"  # large ones always
+            assert await t.get(b"k%d" % i) == value
     finally:
         await t.close()
 
 
-async def test_tier_put_of_a_large_value_into_a_full_redis_returns_false(tmp_path: Path) -> None:
+async def test_tier_put_of_a_value_into_a_full_redis_returns_false(tmp_path: Path) -> None:
     server = RedisServer.start(
-        tmp_path / "r", config={"maxmemory": "12mb", "maxmemory-policy": "noeviction"}
+        tmp_path / "r", config={"maxmemory": "24mb", "maxmemory-policy": "noeviction"}
     )
     t = RedisTier(server.url)
     try:
-        n = (12 << 20) // BULK_SET_MIN + 2  # more than maxmemory holds
-        stored = [await t.put(b"k%d" % i, bytes(BULK_SET_MIN)) for i in range(n)]
-        assert stored[0] and not stored[-1]
-        assert await t.get(b"k0") == bytes(BULK_SET_MIN)
+        for size in (MiB, BULK_SET_THREAD_MIN):  # on the loop, then in a thread
+            n = (24 << 20) // size + 2  # more than maxmemory holds
+            stored = [await t.put(b"k%d-%d" % (size, i), bytes(size)) for i in range(n)]
+            assert stored[0] and not stored[-1]
+            await t.delete([b"k%d-%d" % (size, i) for i in range(n)])
+        assert await t.put(b"after", b"v") and await t.get(b"after") == b"v"
     finally:
         await t.close()
         server.stop()
@@ -402,7 +549,7 @@ async def test_tier_closed_fails_calls_as_tier_failures(redis_server: RedisServe
     with pytest.raises(TierFailure):
         await t.get(b"key")
     with pytest.raises(TierFailure):
-        await t.put(b"key", bytes(BULK_SET_MIN))
+        await t.put(b"key", bytes(BULK_SET_THREAD_MIN))
 
 
 async def test_tier_on_a_db_number_selects_it_on_its_own_connections(

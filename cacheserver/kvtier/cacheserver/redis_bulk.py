@@ -1,42 +1,53 @@
-"""The Redis tier's own client for values: ``GET`` and ``SET`` of records, on blocking
-sockets in worker threads, with no copy of a value in Python.
+"""The Redis tier's own clients for values: ``GET`` and ``SET`` of records with no copy of a
+value in Python.
 
 redis-py's asyncio client copies a ``SET``'s value three times in Python (the record's
 ``head + value``, ``writelines``' join, the transport's buffer) and takes a ``GET``
 reply in 64 KiB pieces that it joins: for values of megabytes that, not Redis, was the
 Redis tier's cost (docs/benchmarks.md, "Redis tier against redis-py, disk tier against
-plain files"). Here a ``SET`` is one ``sendmsg`` of the command's head, the record's
-header and the value's own memory (the kernel copies it once, into the socket); a
-``GET`` reply is received straight into a buffer of ``ReadBuffers``, reused once
-nothing holds the value read into it. ``socket.sendmsg`` and ``recv_into`` release the
-GIL, so a transfer runs beside the event loop, on the other core.
+plain files"). Here a ``SET`` is ``sendmsg`` of the command's head, the record's header
+and the value's own memory (the kernel copies it once, into the socket); a ``GET`` reply
+is received straight into a buffer of ``ReadBuffers``, reused once nothing holds the
+value read into it.
 
-Only standalone servers over TCP or a unix socket without TLS use it (``RedisTier``
-picks it: every ``GET``, and ``SET`` of records from ``BULK_SET_MIN``, 4 MiB, up, or
-from 1 MiB while another ``SET`` is in flight; a smaller ``SET`` on an idle tier costs
-less in redis-py than the hop to a worker thread); the rest of
-the tier's commands (``EXISTS``, ``DEL``, ``INFO``, the quota ledger's scripts) stay on
-redis-py, as do Cluster and TLS.
+Two clients, one per way of waiting, with the same commands and rules:
 
-Connections: a pool of idle ones; a call takes one (or connects: ``AUTH`` when there is
-a password, ``SELECT`` when the database is not 0, ``CLIENT SETNAME kvtier``) and gives
-it back after a whole reply. A call, the connecting and the whole value's transfer
-included, is bounded by ``timeout_s``: each socket step waits at most that long, and no
-step starts once the call has taken that long (at most about twice it in all). A
-connection that failed in any way, or timed out, is closed, never reused: it may hold
-half a reply. A call that fails with a broken connection taken from the pool (a
-restarted server leaves stale ones) closes every idle connection and is tried once more
-on a new one, as redis-py's retry does; a timeout is not retried. Every failure is an
-``OSError`` (``ConnectionError``, ``TimeoutError``) but a whole error reply from Redis,
+- ``LoopClient`` runs on the event loop, on non-blocking sockets: every ``GET``, and
+  ``SET`` of records under ``BULK_SET_THREAD_MIN`` (``redis_tier``). No hop to a thread
+  and back: a 1 MiB ``GET`` ran at 1.6x, a ``SET`` at 1.2x the speed of the same call in
+  a worker thread (docs/benchmarks.md, "The Redis tier's calls on the event loop").
+- ``BulkClient`` blocks, in the tier's worker threads: ``SET`` of larger records, whose
+  one ``sendmsg`` copies tens of MiB without the GIL, beside the event loop, on the other
+  core (on the loop the same ``SET`` waited on the socket dozens of times and ran 10-20%
+  slower).
+
+Only standalone servers over TCP or a unix socket without TLS use them (``RedisTier``
+picks them); the rest of the tier's commands (``EXISTS``, ``DEL``, ``INFO``, the quota
+ledger's scripts and its ``GET``) stay on redis-py, as do Cluster and TLS.
+
+Connections: a pool of idle ones per client; a call takes one (or connects: ``AUTH`` when
+there is a password, ``SELECT`` when the database is not 0, ``CLIENT SETNAME kvtier``)
+and gives it back after a whole reply. A call, the connecting and the whole value's
+transfer included, is bounded by ``timeout_s`` (``LoopClient``: the whole call;
+``BulkClient``: each socket step waits at most that long, and no step starts once the
+call has taken that long, at most about twice it in all). A connection that failed in
+any way, timed out or whose call was cancelled is closed, never reused: it may hold half
+a reply. A call that fails with a broken connection taken from the pool (a restarted
+server leaves stale ones) closes every idle connection and is tried once more on a new
+one, as redis-py's retry does; a timeout is not retried. Every failure is an ``OSError``
+(``ConnectionError``, ``TimeoutError``) but a whole error reply from Redis,
 ``RedisReplyError``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from typing_extensions import Buffer
@@ -70,7 +81,7 @@ class ProtocolError(ConnectionError):
 
 
 class BulkClient:
-    """``GET`` and ``SET`` of one Redis server (blocking: call from worker threads)."""
+    """``SET`` of one Redis server, blocking: call from worker threads."""
 
     def __init__(
         self,
@@ -82,14 +93,12 @@ class BulkClient:
         password: str | None = None,
         db: int = 0,
         timeout_s: float,
-        buffers: ReadBuffers | None = None,
         client_name: str = "kvtier",
     ) -> None:
         if (host is None) == (path is None):
             raise ValueError("BulkClient needs a host (TCP) or a path (unix socket)")
         self.host, self.port, self.path = host, port, path
         self.timeout_s = timeout_s
-        self.buffers = buffers if buffers is not None else ReadBuffers()
         self._hello = _handshake(username, password, db, client_name)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -99,34 +108,13 @@ class BulkClient:
     def from_url_kwargs(cls, kwargs: dict[str, Any], timeout_s: float) -> BulkClient:
         """A client for what redis-py's ``parse_url`` read from a ``redis://`` or
         ``unix://`` URL (plus the tier's ``password``, which wins)."""
-        common: dict[str, Any] = {
-            "username": kwargs.get("username"),
-            "password": kwargs.get("password"),
-            "db": int(kwargs.get("db", 0) or 0),
-            "timeout_s": timeout_s,
-        }
-        if kwargs.get("path"):
-            return cls(path=kwargs["path"], **common)
-        return cls(
-            host=kwargs.get("host") or "localhost", port=int(kwargs.get("port") or 6379), **common
-        )
-
-    # --- commands --------------------------------------------------------------------
-
-    def get(self, name: bytes) -> memoryview | None:
-        """The value of ``name`` (a view of a buffer of ``buffers``), None when unset."""
-        return self._call([_command(b"GET", name)], _read_bulk)
+        return cls(**_url_args(kwargs, timeout_s))
 
     def set(self, name: bytes, parts: tuple[Buffer, ...], ex: int = 0) -> bool:
         """``SET name <parts joined>`` (``EX ex`` when ``ex``), sent from the parts' own
         memory. False when Redis refuses it for memory (``-OOM``: full, ``noeviction``)."""
-        size = sum(memoryview(p).nbytes for p in parts)
-        args = 5 if ex else 3
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (args, len(name), name, size)
-        seconds = str(ex).encode()
-        tail = b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(seconds), seconds) if ex else _CRLF
         try:
-            self._call([head, *parts, tail], _read_status)
+            self._call(_set_request(name, parts, ex))
         except RedisReplyError as exc:
             if exc.code == "OOM":
                 return False
@@ -140,9 +128,8 @@ class BulkClient:
 
     # --- connections -----------------------------------------------------------------
 
-    def _call(
-        self, request: list[Buffer], read: Callable[[socket.socket, ReadBuffers, float], T]
-    ) -> T:
+    def _call(self, request: list[Buffer]) -> bytes:
+        """Sends ``request`` and reads its status reply."""
         for attempt in (0, 1):
             deadline = time.monotonic() + self.timeout_s
             sock = self._idle_socket(reuse=attempt == 0)
@@ -152,7 +139,7 @@ class BulkClient:
             try:
                 sock.settimeout(self.timeout_s)
                 _send_all(sock, request, deadline)
-                reply = read(sock, self.buffers, deadline)
+                reply = _read_status(sock, deadline)
             except RedisReplyError:
                 self._give_back(sock)  # a whole error reply: the connection is fine
                 raise
@@ -206,13 +193,180 @@ class BulkClient:
             for command, what in self._hello:  # one at a time: a rare, small round trip
                 _send_all(sock, [command], deadline)
                 try:
-                    _read_status(sock, self.buffers, deadline)
+                    _read_status(sock, deadline)
                 except RedisReplyError as exc:
                     raise SetupRefused(f"Redis refused {what} ({exc.code})") from None
         except BaseException:
             sock.close()
             raise
         return sock
+
+
+class LoopClient:
+    """``GET`` and ``SET`` of one Redis server on the event loop: the same commands, the
+    same pool, bound, retry and failure rules as ``BulkClient`` (see the module
+    docstring), on non-blocking sockets the loop waits on, with no worker thread."""
+
+    def __init__(
+        self,
+        *,
+        host: str | None = None,
+        port: int = 6379,
+        path: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        db: int = 0,
+        timeout_s: float,
+        buffers: ReadBuffers | None = None,
+        client_name: str = "kvtier",
+        max_calls: int = 16,
+    ) -> None:
+        if (host is None) == (path is None):
+            raise ValueError("LoopClient needs a host (TCP) or a path (unix socket)")
+        self.host, self.port, self.path = host, port, path
+        self.timeout_s = timeout_s
+        self.buffers = buffers if buffers is not None else ReadBuffers()
+        self._hello = _handshake(username, password, db, client_name)
+        self._idle: list[socket.socket] = []
+        # Calls in flight at once, each on a connection of its own (so at most this many
+        # connections); more wait their turn, not counted in their ``timeout_s``.
+        self._slots = asyncio.Semaphore(max_calls)
+        self._closed = False
+
+    @classmethod
+    def from_url_kwargs(cls, kwargs: dict[str, Any], timeout_s: float) -> LoopClient:
+        """As ``BulkClient.from_url_kwargs``."""
+        return cls(**_url_args(kwargs, timeout_s))
+
+    async def get(self, name: bytes) -> memoryview | None:
+        """The value of ``name`` (a view of a buffer of ``buffers``), None when unset."""
+        return await self._call(
+            [_command(b"GET", name)], functools.partial(_aread_bulk, buffers=self.buffers)
+        )
+
+    async def set(self, name: bytes, parts: tuple[Buffer, ...], ex: int = 0) -> bool:
+        """As ``BulkClient.set``."""
+        try:
+            await self._call(_set_request(name, parts, ex), _aread_status)
+        except RedisReplyError as exc:
+            if exc.code == "OOM":
+                return False
+            raise
+        return True
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop_idle()
+
+    async def _call(
+        self,
+        request: list[Buffer],
+        read: Callable[[asyncio.AbstractEventLoop, socket.socket], Awaitable[T]],
+    ) -> T:
+        async with self._slots:
+            return await self._call_now(request, read)
+
+    async def _call_now(
+        self,
+        request: list[Buffer],
+        read: Callable[[asyncio.AbstractEventLoop, socket.socket], Awaitable[T]],
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            if self._closed:
+                raise ConnectionError("client closed")
+            sock = self._idle.pop() if attempt == 0 and self._idle else None
+            reused = sock is not None
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    if sock is None:
+                        sock = await self._connect(loop)
+                    await _asend_all(loop, sock, request)
+                    reply = await read(loop, sock)
+            except RedisReplyError:
+                assert sock is not None
+                self._give_back(sock)  # a whole error reply: the connection is fine
+                raise
+            except ConnectionError:
+                if sock is not None:
+                    sock.close()
+                if reused:  # a stale connection (the server restarted): the other idle
+                    self._drop_idle()  # ones are as stale; once more, on a new one
+                    continue
+                raise
+            except BaseException:  # a timeout, a cancelled call: it may hold half a reply
+                if sock is not None:
+                    sock.close()
+                raise
+            self._give_back(sock)
+            return reply
+        raise AssertionError("unreachable")
+
+    def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def _give_back(self, sock: socket.socket) -> None:
+        if self._closed:
+            sock.close()
+        else:
+            self._idle.append(sock)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        if self.path is not None:
+            targets: list[tuple[int, Any]] = [(socket.AF_UNIX, self.path)]
+        else:
+            found = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            targets = [(family, address) for family, _, _, _, address in found]
+        error: OSError = ConnectionError("no address to connect to")
+        for family, address in targets:  # as socket.create_connection: each in turn
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, address)
+                if family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for command, what in self._hello:
+                    await _asend_all(loop, sock, [command])
+                    try:
+                        await _aread_status(loop, sock)
+                    except RedisReplyError as exc:
+                        raise SetupRefused(f"Redis refused {what} ({exc.code})") from None
+                return sock
+            except SetupRefused:
+                sock.close()
+                raise
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error
+
+
+def _url_args(kwargs: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "username": kwargs.get("username"),
+        "password": kwargs.get("password"),
+        "db": int(kwargs.get("db", 0) or 0),
+        "timeout_s": timeout_s,
+    }
+    if kwargs.get("path"):
+        return {"path": kwargs["path"], **common}
+    return {"host": kwargs.get("host") or "localhost", "port": int(kwargs.get("port") or 6379), **common}
+
+
+def _set_request(name: bytes, parts: tuple[Buffer, ...], ex: int) -> list[Buffer]:
+    """``SET name <parts joined> [EX ex]`` as the buffers to send: the value's own parts
+    between the command's head and tail."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    args = 5 if ex else 3
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (args, len(name), name, size)
+    seconds = str(ex).encode()
+    tail = b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(seconds), seconds) if ex else _CRLF
+    return [head, *parts, tail]
 
 
 def _handshake(
@@ -251,15 +405,19 @@ def _send_all(sock: socket.socket, parts: list[Buffer], deadline: float) -> None
     views = [v for v in views if v.nbytes]
     while views:
         _check(deadline)
-        sent = sock.sendmsg(views[:512])  # (IOV_MAX is 1024)
-        while sent and views:
-            first = views[0]
-            if sent >= first.nbytes:
-                sent -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[sent:]
-                sent = 0
+        _advance(views, sock.sendmsg(views[:512]))  # (IOV_MAX is 1024)
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drops from ``views`` the ``sent`` bytes a ``sendmsg`` took."""
+    while sent and views:
+        first = views[0]
+        if sent >= first.nbytes:
+            sent -= first.nbytes
+            views.pop(0)
+        else:
+            views[0] = first[sent:]
+            sent = 0
 
 
 def _read_line(sock: socket.socket, into: bytearray, deadline: float) -> tuple[bytes, memoryview]:
@@ -273,19 +431,86 @@ def _read_line(sock: socket.socket, into: bytearray, deadline: float) -> tuple[b
         if n == 0:
             raise ClosedByServer("Redis closed the connection")
         got += n
-        end = into.find(_CRLF, 0, got)
-        if end >= 0:
-            return bytes(into[:end]), view[end + 2 : got]
-        if got == len(into):
-            raise ProtocolError("a reply line longer than 64 KiB")
+        if (found := _line_in(into, got)) is not None:
+            return found
+
+
+def _read_status(sock: socket.socket, deadline: float) -> bytes:
+    return _status(*_read_line(sock, bytearray(_HEAD_BYTES), deadline))
+
+
+async def _asend_all(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[Buffer]
+) -> None:
+    """``_send_all`` on a non-blocking socket: as much as the socket takes, then a wait
+    until it takes more."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if v.nbytes]
+    while views:
+        with contextlib.suppress(BlockingIOError):  # (then it took nothing)
+            _advance(views, sock.sendmsg(views[:512]))
+        if views:
+            writable = loop.create_future()
+            loop.add_writer(sock, writable.set_result, None)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(sock)
+
+
+async def _aread_line(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, into: bytearray
+) -> tuple[bytes, memoryview]:
+    """``_read_line`` on a non-blocking socket."""
+    got = 0
+    view = memoryview(into)
+    while True:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ClosedByServer("Redis closed the connection")
+        got += n
+        if (found := _line_in(into, got)) is not None:
+            return found
+
+
+async def _aread_status(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    return _status(*await _aread_line(loop, sock, bytearray(_HEAD_BYTES)))
+
+
+async def _aread_bulk(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers: ReadBuffers
+) -> memoryview | None:
+    start = _bulk_start(*await _aread_line(loop, sock, bytearray(_HEAD_BYTES)), buffers)
+    if start is None:
+        return None
+    view, size, got = start
+    while got < size + 2:  # the value, then CRLF
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ClosedByServer("Redis closed the connection mid-reply")
+        got += n
+    return _bulk_value(view, size)
+
+
+# --- replies, whichever way their bytes arrive ------------------------------------------
+
+
+def _line_in(into: bytearray, got: int) -> tuple[bytes, memoryview] | None:
+    """A reply's first line (without CRLF) and the bytes after it, once ``into[:got]``
+    holds that line; None before."""
+    end = into.find(_CRLF, 0, got)
+    if end >= 0:
+        return bytes(into[:end]), memoryview(into)[end + 2 : got]
+    if got == len(into):
+        raise ProtocolError("a reply line longer than 64 KiB")
+    return None
 
 
 def _error(line: bytes) -> RedisReplyError:
     return RedisReplyError(line[1:].decode("utf-8", "replace"))
 
 
-def _read_status(sock: socket.socket, buffers: ReadBuffers, deadline: float) -> bytes:
-    line, rest = _read_line(sock, bytearray(_HEAD_BYTES), deadline)
+def _status(line: bytes, rest: memoryview) -> bytes:
     if line[:1] == b"-":
         raise _error(line)
     if line[:1] != b"+" or rest.nbytes:
@@ -293,8 +518,12 @@ def _read_status(sock: socket.socket, buffers: ReadBuffers, deadline: float) -> 
     return line[1:]
 
 
-def _read_bulk(sock: socket.socket, buffers: ReadBuffers, deadline: float) -> memoryview | None:
-    line, rest = _read_line(sock, bytearray(_HEAD_BYTES), deadline)
+def _bulk_start(
+    line: bytes, rest: memoryview, buffers: ReadBuffers
+) -> tuple[memoryview, int, int] | None:
+    """A bulk string reply's buffer (a view of one of ``buffers``, for the value and its
+    CRLF, ``rest`` copied in first), the value's size and the bytes in it so far; None
+    for a nil reply."""
     if line[:1] == b"-":
         raise _error(line)
     if line[:1] != b"$":
@@ -307,19 +536,14 @@ def _read_bulk(sock: socket.socket, buffers: ReadBuffers, deadline: float) -> me
         if rest.nbytes:
             raise ProtocolError("bytes after a nil reply")
         return None
-    whole = size + 2  # the value, then CRLF
-    if rest.nbytes > whole:
+    if rest.nbytes > size + 2:
         raise ProtocolError("bytes after a bulk string reply")
-    buf = buffers.take(whole)
-    view = memoryview(buf)
+    view = memoryview(buffers.take(size + 2))
     view[: rest.nbytes] = rest
-    got = rest.nbytes
-    while got < whole:
-        _check(deadline)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ClosedByServer("Redis closed the connection mid-reply")
-        got += n
-    if view[size:whole] != _CRLF:
+    return view, size, rest.nbytes
+
+
+def _bulk_value(view: memoryview, size: int) -> memoryview:
+    if view[size : size + 2] != _CRLF:
         raise ProtocolError("a bulk string reply without its CRLF")
     return view[:size]

@@ -1,8 +1,8 @@
 """The Redis tier: values in a Redis server or a Redis Cluster, through ``redis.asyncio``
-and, for the values themselves on a standalone server without TLS (every ``GET``, a
-``SET`` from ``BULK_SET_MIN`` up, or from ``BULK_SET_BUSY_MIN`` while another is in
-flight), a client of the tier's own
-(``kvtier.cacheserver.redis_bulk``: no copy of a value in Python).
+and, for the values themselves on a standalone server without TLS, the tier's own
+clients (``kvtier.cacheserver.redis_bulk``: no copy of a value in Python): every ``GET``
+and a ``SET`` of a record under ``BULK_SET_THREAD_MIN`` on the event loop, a larger
+``SET`` in a worker thread.
 
 Where the tier connects is one URL::
 
@@ -82,7 +82,7 @@ from kvtier.cacheserver import record
 from kvtier.cacheserver.errors import SettingsError, TierFailure
 from kvtier.cacheserver.namespace import tenant_of
 from kvtier.cacheserver.record import CorruptRecord
-from kvtier.cacheserver.redis_bulk import BulkClient, RedisReplyError
+from kvtier.cacheserver.redis_bulk import BulkClient, LoopClient, RedisReplyError
 from kvtier.cacheserver.redis_quota import TenantLedger
 from kvtier.cacheserver.tiers import TierCounters, TierUsage
 
@@ -91,17 +91,14 @@ _T = TypeVar("_T")
 
 KEY_PREFIX = b"kvtier:v1:"
 MAX_RECORD_BYTES = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
-# Threads of the tier's own client (``redis_bulk``): calls in flight at once, each on a
-# connection of its own; a paused Redis holds each for up to ``timeout_s``.
+# Threads of the blocking client (``redis_bulk.BulkClient``): SETs in flight at once, each
+# on a connection of its own; a paused Redis holds each for up to ``timeout_s``.
 BULK_THREADS = 16
-# Records this large or larger are SET through the tier's own client; smaller ones through
-# redis-py, whose three copies of a value in Python cost less than the hop to a worker
-# thread and back. From BULK_SET_BUSY_MIN up they go through the own client too while
-# another SET is in flight: then the tier's CPU, not one call's latency, is what limits
-# (docs/benchmarks.md: 1 MiB SETs from 4 clients gained, from 1 client lost, when all of
-# them took the own client).
-BULK_SET_MIN = 4 << 20
-BULK_SET_BUSY_MIN = 1 << 20
+# Records this large or larger are SET from a worker thread, where one ``sendmsg`` copies
+# the value into the socket without the GIL; smaller ones on the event loop, where no hop
+# to a thread and back adds to a call's latency (docs/benchmarks.md, "The Redis tier's
+# calls on the event loop": on the loop 1 MiB SETs gained, 16-64 MiB ones lost 10-20%).
+BULK_SET_THREAD_MIN = 8 << 20
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 # Everything redis-py or the tier's own client (``redis_bulk``) raises for a failed call
@@ -163,10 +160,10 @@ class RedisTier:
             )
         self.cluster = scheme.endswith("+cluster")
         self._client: Redis | RedisCluster
-        # Values go through the tier's own client where it can (``redis_bulk``).
+        # Values go through the tier's own clients where they can (``redis_bulk``).
+        self._values: LoopClient | None = None
         self._bulk: BulkClient | None = None
         self._threads: ThreadPoolExecutor | None = None
-        self._sets = 0  # SETs in flight
         if self.cluster:
             self._client = _cluster_client(url, tls, options)
             self._db = 0
@@ -174,6 +171,7 @@ class RedisTier:
             self._client, kwargs = _standalone_client(url, options)
             self._db = int(kwargs.get("db", 0) or 0)
             if not tls:
+                self._values = LoopClient.from_url_kwargs(kwargs, timeout_s)
                 self._bulk = BulkClient.from_url_kwargs(kwargs, timeout_s)
                 self._threads = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="kvtier-redis")
         self.ledger = TenantLedger(self._client, tenant_quota_bytes) if tenant_quota_bytes else None
@@ -214,19 +212,17 @@ class RedisTier:
         if self.ledger is not None and size > self.ledger.quota_bytes:
             return False
         victims = await self._charge(key, size)
-        self._sets += 1  # this one included
         try:
-            if self._bulk is not None and (
-                size >= BULK_SET_MIN or (size >= BULK_SET_BUSY_MIN and self._sets > 1)
-            ):
+            if self._values is None:
+                stored = await self._redis_py_set(key, value)
+            elif size >= BULK_SET_THREAD_MIN:
                 stored = await self._in_thread(self._bulk_set, key, value)
             else:
-                stored = await self._redis_py_set(key, value)
+                parts = (record.header(key, value), value)
+                stored = await self._values.set(KEY_PREFIX + key, parts, self.ttl_s)
         except _REDIS_ERRORS as exc:
             await self._discharge_quietly(key)
             raise _failure("SET", exc) from exc
-        finally:
-            self._sets -= 1
         if not stored:
             logger.debug("redis tier: Redis is full and does not evict; value not stored")
             await self._discharge_quietly(key)
@@ -271,6 +267,8 @@ class RedisTier:
             self._stats_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats_task
+        if self._values is not None:
+            self._values.close()
         if self._bulk is not None:
             self._bulk.close()
         if self._threads is not None:
@@ -281,10 +279,10 @@ class RedisTier:
 
     async def _fetch(self, key: bytes) -> memoryview | None:
         """The value of ``key``, its record checked (``CorruptRecord``); None when unset."""
-        if self._bulk is not None and self.ledger is None:
-            return await self._in_thread(self._bulk_fetch, key)
-        # decode_responses is off: replies are bytes.
-        if self.ledger is None:
+        blob: bytes | memoryview | None
+        if self._values is not None and self.ledger is None:
+            blob = await self._values.get(KEY_PREFIX + key)
+        elif self.ledger is None:  # decode_responses is off: replies are bytes
             blob = cast(bytes | None, await self._client.get(KEY_PREFIX + key))
         else:  # one round trip: the value, and its key marked used on the ledger
             async with self._client.pipeline(transaction=False) as pipe:
@@ -300,15 +298,8 @@ class RedisTier:
         except RuntimeError as exc:  # its threads are shut down: the tier was closed
             raise ConnectionError("the Redis tier is closed") from exc
 
-    def _bulk_fetch(self, key: bytes) -> memoryview | None:
-        """``_fetch`` on the tier's own client, in a worker thread: the reply received and
-        its record checked there, off the event loop."""
-        assert self._bulk is not None
-        blob = self._bulk.get(KEY_PREFIX + key)
-        return None if blob is None else record.decode(key, blob)
-
     def _bulk_set(self, key: bytes, value: bytes | memoryview) -> bool:
-        """``SET`` of ``key``'s record on the tier's own client, in a worker thread (the
+        """``SET`` of ``key``'s record on the blocking client, in a worker thread (the
         record's checksum computed there too); False when Redis is full."""
         assert self._bulk is not None
         return self._bulk.set(KEY_PREFIX + key, (record.header(key, value), value), self.ttl_s)
