@@ -14,11 +14,11 @@ Two clients, one per way of waiting, with the same commands and rules:
 
 - ``LoopClient`` runs on the event loop, on non-blocking sockets: every ``GET``, and
   ``SET`` of records under ``BULK_SET_THREAD_MIN`` (``redis_tier``). No hop to a thread
-  and back: a 1 MiB ``GET`` ran at 1.6x, a ``SET`` at 1.2x the speed of the same call in
-  a worker thread (docs/benchmarks.md, "The Redis tier's calls on the event loop").
+  and back adds to a call's latency (docs/benchmarks.md, "The Redis tier's calls on the
+  event loop": 1 MiB calls from one client gained 0.1-0.3 of redis-py's speed).
 - ``BulkClient`` blocks, in the tier's worker threads: ``SET`` of larger records, whose
   one ``sendmsg`` copies tens of MiB without the GIL, beside the event loop, on the other
-  core (on the loop the same ``SET`` waited on the socket dozens of times and ran 10-20%
+  core (on the loop the same ``SET`` waited on the socket dozens of times and ran 5-20%
   slower).
 
 Only standalone servers over TCP or a unix socket without TLS use them (``RedisTier``
@@ -48,7 +48,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from typing_extensions import Buffer
 
@@ -80,8 +80,9 @@ class ProtocolError(ConnectionError):
     """A reply that is not RESP as expected: the connection is closed."""
 
 
-class BulkClient:
-    """``SET`` of one Redis server, blocking: call from worker threads."""
+class _Client:
+    """Where a client connects, what a new connection sends first, and the idle
+    connections of its pool."""
 
     def __init__(
         self,
@@ -96,30 +97,40 @@ class BulkClient:
         client_name: str = "kvtier",
     ) -> None:
         if (host is None) == (path is None):
-            raise ValueError("BulkClient needs a host (TCP) or a path (unix socket)")
+            raise ValueError(f"{type(self).__name__} needs a host (TCP) or a path (unix socket)")
         self.host, self.port, self.path = host, port, path
         self.timeout_s = timeout_s
         self._hello = _handshake(username, password, db, client_name)
         self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
         self._closed = False
 
     @classmethod
-    def from_url_kwargs(cls, kwargs: dict[str, Any], timeout_s: float) -> BulkClient:
+    def from_url_kwargs(cls, kwargs: dict[str, Any], timeout_s: float) -> Self:
         """A client for what redis-py's ``parse_url`` read from a ``redis://`` or
         ``unix://`` URL (plus the tier's ``password``, which wins)."""
-        return cls(**_url_args(kwargs, timeout_s))
+        common: dict[str, Any] = {
+            "username": kwargs.get("username"),
+            "password": kwargs.get("password"),
+            "db": int(kwargs.get("db", 0) or 0),
+            "timeout_s": timeout_s,
+        }
+        if kwargs.get("path"):
+            return cls(path=kwargs["path"], **common)
+        host, port = kwargs.get("host") or "localhost", int(kwargs.get("port") or 6379)
+        return cls(host=host, port=port, **common)
+
+
+class BulkClient(_Client):
+    """``SET`` of one Redis server, blocking: call from worker threads."""
+
+    def __init__(self, **target: Any) -> None:
+        super().__init__(**target)
+        self._lock = threading.Lock()
 
     def set(self, name: bytes, parts: tuple[Buffer, ...], ex: int = 0) -> bool:
         """``SET name <parts joined>`` (``EX ex`` when ``ex``), sent from the parts' own
         memory. False when Redis refuses it for memory (``-OOM``: full, ``noeviction``)."""
-        try:
-            self._call(_set_request(name, parts, ex))
-        except RedisReplyError as exc:
-            if exc.code == "OOM":
-                return False
-            raise
-        return True
+        return self._call(_set_request(name, parts, ex))
 
     def close(self) -> None:
         with self._lock:
@@ -128,8 +139,8 @@ class BulkClient:
 
     # --- connections -----------------------------------------------------------------
 
-    def _call(self, request: list[Buffer]) -> bytes:
-        """Sends ``request`` and reads its status reply."""
+    def _call(self, request: list[Buffer]) -> bool:
+        """Sends a ``SET`` and reads its reply (``_set_reply``)."""
         for attempt in (0, 1):
             deadline = time.monotonic() + self.timeout_s
             sock = self._idle_socket(reuse=attempt == 0)
@@ -139,7 +150,7 @@ class BulkClient:
             try:
                 sock.settimeout(self.timeout_s)
                 _send_all(sock, request, deadline)
-                reply = _read_status(sock, deadline)
+                reply = _set_reply(*_read_line(sock, bytearray(_HEAD_BYTES), deadline))
             except RedisReplyError:
                 self._give_back(sock)  # a whole error reply: the connection is fine
                 raise
@@ -202,41 +213,20 @@ class BulkClient:
         return sock
 
 
-class LoopClient:
-    """``GET`` and ``SET`` of one Redis server on the event loop: the same commands, the
-    same pool, bound, retry and failure rules as ``BulkClient`` (see the module
-    docstring), on non-blocking sockets the loop waits on, with no worker thread."""
+class LoopClient(_Client):
+    """``GET`` and ``SET`` of one Redis server on the event loop, on non-blocking sockets
+    the loop waits on, with no worker thread: the same commands, pool, retry and failure
+    rules as ``BulkClient`` (the module docstring), up to ``max_calls`` calls at once,
+    each bounded as a whole by ``timeout_s``."""
 
     def __init__(
-        self,
-        *,
-        host: str | None = None,
-        port: int = 6379,
-        path: str | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        db: int = 0,
-        timeout_s: float,
-        buffers: ReadBuffers | None = None,
-        client_name: str = "kvtier",
-        max_calls: int = 16,
+        self, *, buffers: ReadBuffers | None = None, max_calls: int = 16, **target: Any
     ) -> None:
-        if (host is None) == (path is None):
-            raise ValueError("LoopClient needs a host (TCP) or a path (unix socket)")
-        self.host, self.port, self.path = host, port, path
-        self.timeout_s = timeout_s
+        super().__init__(**target)
         self.buffers = buffers if buffers is not None else ReadBuffers()
-        self._hello = _handshake(username, password, db, client_name)
-        self._idle: list[socket.socket] = []
         # Calls in flight at once, each on a connection of its own (so at most this many
         # connections); more wait their turn, not counted in their ``timeout_s``.
         self._slots = asyncio.Semaphore(max_calls)
-        self._closed = False
-
-    @classmethod
-    def from_url_kwargs(cls, kwargs: dict[str, Any], timeout_s: float) -> LoopClient:
-        """As ``BulkClient.from_url_kwargs``."""
-        return cls(**_url_args(kwargs, timeout_s))
 
     async def get(self, name: bytes) -> memoryview | None:
         """The value of ``name`` (a view of a buffer of ``buffers``), None when unset."""
@@ -246,13 +236,7 @@ class LoopClient:
 
     async def set(self, name: bytes, parts: tuple[Buffer, ...], ex: int = 0) -> bool:
         """As ``BulkClient.set``."""
-        try:
-            await self._call(_set_request(name, parts, ex), _aread_status)
-        except RedisReplyError as exc:
-            if exc.code == "OOM":
-                return False
-            raise
-        return True
+        return await self._call(_set_request(name, parts, ex), _aread_set_reply)
 
     def close(self) -> None:
         self._closed = True
@@ -344,18 +328,6 @@ class LoopClient:
                 sock.close()
                 raise
         raise error
-
-
-def _url_args(kwargs: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    common: dict[str, Any] = {
-        "username": kwargs.get("username"),
-        "password": kwargs.get("password"),
-        "db": int(kwargs.get("db", 0) or 0),
-        "timeout_s": timeout_s,
-    }
-    if kwargs.get("path"):
-        return {"path": kwargs["path"], **common}
-    return {"host": kwargs.get("host") or "localhost", "port": int(kwargs.get("port") or 6379), **common}
 
 
 def _set_request(name: bytes, parts: tuple[Buffer, ...], ex: int) -> list[Buffer]:
@@ -477,6 +449,10 @@ async def _aread_status(loop: asyncio.AbstractEventLoop, sock: socket.socket) ->
     return _status(*await _aread_line(loop, sock, bytearray(_HEAD_BYTES)))
 
 
+async def _aread_set_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+    return _set_reply(*await _aread_line(loop, sock, bytearray(_HEAD_BYTES)))
+
+
 async def _aread_bulk(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, buffers: ReadBuffers
 ) -> memoryview | None:
@@ -516,6 +492,18 @@ def _status(line: bytes, rest: memoryview) -> bytes:
     if line[:1] != b"+" or rest.nbytes:
         raise ProtocolError("expected a status reply")
     return line[1:]
+
+
+def _set_reply(line: bytes, rest: memoryview) -> bool:
+    """A ``SET``'s reply: True when stored, False when Redis refused it for memory
+    (``-OOM``: full, ``noeviction``); another error reply raises ``RedisReplyError``."""
+    try:
+        _status(line, rest)
+    except RedisReplyError as exc:
+        if exc.code == "OOM":
+            return False
+        raise
+    return True
 
 
 def _bulk_start(

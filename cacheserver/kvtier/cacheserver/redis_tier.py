@@ -97,7 +97,7 @@ BULK_THREADS = 16
 # Records this large or larger are SET from a worker thread, where one ``sendmsg`` copies
 # the value into the socket without the GIL; smaller ones on the event loop, where no hop
 # to a thread and back adds to a call's latency (docs/benchmarks.md, "The Redis tier's
-# calls on the event loop": on the loop 1 MiB SETs gained, 16-64 MiB ones lost 10-20%).
+# calls on the event loop": on the loop 1 MiB SETs gained, 16-64 MiB ones lost 5-20%).
 BULK_SET_THREAD_MIN = 8 << 20
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
