@@ -23,7 +23,13 @@ import redis
 
 from kvtier.cacheserver.errors import TierFailure
 from kvtier.cacheserver.readbuffers import ReadBuffers
-from kvtier.cacheserver.redis_bulk import BulkClient, LoopClient, RedisReplyError, SetupRefused
+from kvtier.cacheserver.redis_bulk import (
+    BulkClient,
+    LoopClient,
+    RedisReplyError,
+    SetupRefused,
+    _aread_status,
+)
 from kvtier.cacheserver.redis_tier import BULK_SET_THREAD_MIN, KEY_PREFIX, RedisTier
 from kvtier.testing.redisprocs import RedisClusterProcs, RedisServer, TlsFiles
 
@@ -166,7 +172,7 @@ async def test_restarted_server_is_served_at_once_however_many_connections_were_
     client: LoopClient, redis_server: RedisServer
 ) -> None:
     value = os.urandom(4 * MiB)  # six SETs at once: six connections, then idle
-    assert await asyncio.gather(*(client.set(b"k%d" % i, (value,)) for i in range(6)))
+    assert all(await asyncio.gather(*(client.set(b"k%d" % i, (value,)) for i in range(6))))
     assert len(client._idle) >= 2
     redis_server.restart()
     assert await client.get(b"k0") is None  # the first stale one failed: all dropped, a new one
@@ -218,6 +224,114 @@ async def test_a_cancelled_call_closes_its_connection(
         redis_server.resume()
     await client.set(b"k", (b"w",))
     assert await client.get(b"k") == b"w"
+
+
+async def test_a_call_cancelled_while_connecting_or_sending_leaves_nothing_open() -> None:
+    """Cancelled during the handshake (a server that never answers it), or while the
+    socket is full (one that reads nothing of a 64 MiB SET for a while): the client
+    closes the socket (the server reads its end), no reader or writer stays on the
+    loop, and the call's slot is free again."""
+    hung_up: list[bool] = []
+
+    def until_hung_up(conn: socket.socket) -> None:
+        conn.settimeout(10)
+        try:
+            while conn.recv(1 << 20):
+                pass
+            hung_up.append(True)
+        except TimeoutError:
+            hung_up.append(False)
+
+    def never_answers(conn: socket.socket) -> None:
+        conn.recv(1024)  # CLIENT SETNAME
+        until_hung_up(conn)
+
+    def reads_late(conn: socket.socket) -> None:
+        conn.recv(1024)
+        conn.sendall(b"+OK\r\n")  # CLIENT SETNAME
+        time.sleep(1)  # the SET fills the socket meanwhile
+        until_hung_up(conn)
+
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    watched = set(selector.get_map())  # the loop's own (its wake-up pipe)
+    for answer, call in ((never_answers, "get"), (reads_late, "set")):
+        peer = Peer(answer)
+        c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=30.0)
+        try:
+            task = asyncio.ensure_future(
+                c.get(b"k") if call == "get" else c.set(b"k", (bytes(64 * MiB),))
+            )
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert c._idle == [] and c._slots._value == 16
+            assert set(selector.get_map()) == watched  # no reader or writer left
+            for _ in range(100):
+                if len(hung_up) == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert hung_up == [True]
+            hung_up.clear()
+        finally:
+            c.close()
+            peer.close()
+
+
+async def test_an_error_reply_with_bytes_after_it_closes_the_connection() -> None:
+    def error_and_more(conn: socket.socket) -> None:
+        conn.recv(1024)
+        conn.sendall(b"+OK\r\n")  # CLIENT SETNAME
+        conn.recv(1024)
+        conn.sendall(b"-ERR nope\r\n+OK\r\n")
+        conn.recv(1024)
+
+    peer = Peer(error_and_more)
+    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
+    try:
+        with pytest.raises(ConnectionError, match="after an error reply"):
+            await c.get(b"k")
+        assert c._idle == []
+    finally:
+        c.close()
+        peer.close()
+
+
+async def test_a_protocol_error_reply_closes_the_connection_redis_closes(
+    client: LoopClient, redis_server: RedisServer
+) -> None:
+    await client.set(b"k", (b"v",))
+    with pytest.raises(RedisReplyError, match="Protocol error"):
+        await client._call([b"*1\r\n$-5\r\n"], _aread_status)  # an invalid bulk length
+    assert client._idle == []  # Redis hangs up after it: not kept
+    assert await client.get(b"k") == b"v"
+
+
+async def test_a_host_name_is_resolved_once_and_an_ip_address_never(
+    redis_server: RedisServer,
+) -> None:
+    loop = asyncio.get_running_loop()
+    looked_up: list[object] = []
+    real = loop.getaddrinfo
+
+    async def spy(*args: object, **kwargs: object) -> object:
+        looked_up.append(args[0])
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    loop.getaddrinfo = spy  # type: ignore[method-assign]
+    try:
+        for host in ("localhost", "127.0.0.1"):
+            c = LoopClient(host=host, port=redis_server.port, timeout_s=5.0)
+            try:
+                for _ in range(3):  # three connections: every one dropped by the server
+                    assert await c.set(b"k", (b"v",)) and await c.get(b"k") == b"v"
+                    raw(redis_server).client_kill_filter(_type="normal", skipme=True)
+            finally:
+                c.close()
+    finally:
+        del loop.getaddrinfo
+    assert looked_up == ["localhost"]
 
 
 class Peer:
@@ -296,14 +410,6 @@ async def test_a_reply_that_is_not_resp_is_a_protocol_error_and_the_connection_c
     finally:
         c.close()
         peer.close()
-
-
-async def test_a_host_name_is_resolved(redis_server: RedisServer) -> None:
-    c = LoopClient(host="localhost", port=redis_server.port, timeout_s=5.0)
-    try:
-        assert await c.set(b"k", (b"v",)) and await c.get(b"k") == b"v"
-    finally:
-        c.close()
 
 
 async def test_an_empty_password_sends_no_auth(redis_server: RedisServer) -> None:
@@ -483,13 +589,19 @@ async def test_tier_gets_and_sets_values_on_the_loop_over_tcp_and_unix_sockets(
 ) -> None:
     for url in (redis_server.url, redis_server.unix_url):
         t = RedisTier(url)
+
+        async def no_redis_py(key: bytes, value: bytes | memoryview) -> bool:
+            raise AssertionError("a value SET through redis-py")
+
+        t._redis_py_set = no_redis_py  # type: ignore[method-assign]
         try:
             assert t._values is not None and t._bulk is not None
             values = {b"small": b"v", b"mib": os.urandom(MiB), b"4mib": os.urandom(4 * MiB)}
             for key, value in values.items():
                 assert await t.put(key, value)
+                assert len(t._values._idle) == 1  # the SET, on the loop's client
                 assert await t.get(key) == value
-            assert len(t._values._idle) == 1  # every call on the loop's client, one at a time
+            assert len(t._values._idle) == 1  # every call on it, one at a time
             assert t._bulk._idle == []  # none in a thread
         finally:
             await t.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -360,14 +361,18 @@ async def test_capacity_is_redis_maxmemory(tmp_path: Path) -> None:
         server.stop()
 
 
+async def entries_become(tier: RedisTier, n: int, within_s: float) -> int:
+    """The tier's entries (as it last read them) once they are ``n``, or after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while tier.usage().entries != n and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)  # (polled: the tier has no event to wait on)
+    return tier.usage().entries
+
+
 async def test_usage_refreshes_in_the_background_while_calls_flow(tier: RedisTier) -> None:
     tier.stats_interval_s = 0.0
     await tier.put(KEY, VALUE)
-    for _ in range(100):
-        if tier.usage().entries == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert tier.usage().entries == 1
+    assert await entries_become(tier, 1, within_s=1.0) == 1
 
 
 async def test_usage_read_after_the_last_calls_once_the_interval_is_up(tier: RedisTier) -> None:
@@ -376,25 +381,23 @@ async def test_usage_read_after_the_last_calls_once_the_interval_is_up(tier: Red
     gauge stayed at the burst's first read before)."""
     tier.stats_interval_s = 2.0
     await tier.put(b"k0", VALUE)
-    for _ in range(200):  # the first call's read: at once
-        if tier.usage().entries == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert tier.usage().entries == 1
+    assert await entries_become(tier, 1, within_s=2.0) == 1  # the first call's read: at once
     for i in range(1, 4):  # inside the interval, then nothing more
         await tier.put(b"k%d" % i, VALUE)
     assert tier.usage().entries == 1  # not read again yet: at most one read per interval
-    for _ in range(600):
-        if tier.usage().entries == 4:
-            break
-        await asyncio.sleep(0.01)
-    assert tier.usage().entries == 4
+    assert await entries_become(tier, 4, within_s=6.0) == 4
     assert await tier.delete([b"k0", b"k1"]) == 2  # a Delete is followed by a read too
-    for _ in range(600):
-        if tier.usage().entries == 2:
-            break
-        await asyncio.sleep(0.01)
-    assert tier.usage().entries == 2
+    assert await entries_become(tier, 2, within_s=6.0) == 2
+
+
+async def test_a_call_that_ends_after_close_starts_no_stats_read(redis_server: RedisServer) -> None:
+    t = RedisTier(redis_server.url, stats_interval_s=0.0)
+    put = asyncio.ensure_future(t.put(KEY, VALUE))
+    await asyncio.sleep(0)  # under way
+    await t.close()
+    with contextlib.suppress(TierFailure):
+        await put  # ends after close(), stored or failed
+    assert t._stats_task is None or t._stats_task.done()
 
 
 async def test_evictions_by_redis_are_counted(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ READ_BUFFER_MIN = 1 << 20  # smaller records: glibc reuses their memory by itsel
 
 class ReadBuffers:
     """Buffers Gets read records into, each reused once nothing else holds it (thread-safe:
-    reads run in worker threads). A value handed out is a view of its buffer, and a view
-    keeps a reference to it, so a buffer whose only references are this pool's is not
-    being sent, promoted or held by anybody: its bytes may be overwritten."""
+    the disk tier reads in worker threads). A value handed out is a view of its buffer,
+    and a view keeps a reference to it, so a buffer whose only references are this pool's
+    is not being sent, promoted or held by anybody: its bytes may be overwritten."""
 
     def __init__(self, limit: int = READ_BUFFER_BYTES) -> None:
         self.limit = limit

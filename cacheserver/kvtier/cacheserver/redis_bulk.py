@@ -28,9 +28,11 @@ ledger's scripts and its ``GET``) stay on redis-py, as do Cluster and TLS.
 Connections: a pool of idle ones per client; a call takes one (or connects: ``AUTH`` when
 there is a password, ``SELECT`` when the database is not 0, ``CLIENT SETNAME kvtier``)
 and gives it back after a whole reply. A call, the connecting and the whole value's
-transfer included, is bounded by ``timeout_s`` (``LoopClient``: the whole call;
+transfer included, is bounded by ``timeout_s`` (``LoopClient``: each attempt as a whole;
 ``BulkClient``: each socket step waits at most that long, and no step starts once the
-call has taken that long, at most about twice it in all). A connection that failed in
+call has taken that long, at most about twice it in all; both: a call retried on a new
+connection, below, starts that bound again). ``LoopClient``'s wait for one of its
+``max_calls`` slots is not part of it, as a wait for a worker thread is not. A connection that failed in
 any way, timed out or whose call was cancelled is closed, never reused: it may hold half
 a reply. A call that fails with a broken connection taken from the pool (a restarted
 server leaves stale ones) closes every idle connection and is tried once more on a new
@@ -44,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import socket
 import threading
 import time
@@ -119,6 +122,20 @@ class _Client:
         host, port = kwargs.get("host") or "localhost", int(kwargs.get("port") or 6379)
         return cls(host=host, port=port, **common)
 
+    def _give_back(self, sock: socket.socket) -> None:
+        if self._closed:
+            sock.close()
+        else:
+            self._idle.append(sock)
+
+    def _after_error_reply(self, sock: socket.socket, exc: RedisReplyError) -> None:
+        """A whole error reply leaves the connection fine, but for a protocol error (a
+        value over ``proto-max-bulk-len``), after which Redis closes it."""
+        if str(exc).startswith("ERR Protocol error"):
+            sock.close()
+        else:
+            self._give_back(sock)
+
 
 class BulkClient(_Client):
     """``SET`` of one Redis server, blocking: call from worker threads."""
@@ -151,8 +168,8 @@ class BulkClient(_Client):
                 sock.settimeout(self.timeout_s)
                 _send_all(sock, request, deadline)
                 reply = _set_reply(*_read_line(sock, bytearray(_HEAD_BYTES), deadline))
-            except RedisReplyError:
-                self._give_back(sock)  # a whole error reply: the connection is fine
+            except RedisReplyError as exc:
+                self._after_error_reply(sock, exc)
                 raise
             except ConnectionError:
                 sock.close()
@@ -217,7 +234,7 @@ class LoopClient(_Client):
     """``GET`` and ``SET`` of one Redis server on the event loop, on non-blocking sockets
     the loop waits on, with no worker thread: the same commands, pool, retry and failure
     rules as ``BulkClient`` (the module docstring), up to ``max_calls`` calls at once,
-    each bounded as a whole by ``timeout_s``."""
+    each attempt bounded as a whole by ``timeout_s``."""
 
     def __init__(
         self, *, buffers: ReadBuffers | None = None, max_calls: int = 16, **target: Any
@@ -227,6 +244,7 @@ class LoopClient(_Client):
         # Calls in flight at once, each on a connection of its own (so at most this many
         # connections); more wait their turn, not counted in their ``timeout_s``.
         self._slots = asyncio.Semaphore(max_calls)
+        self._targets: list[tuple[int, Any]] | None = None  # (family, address) to connect to
 
     async def get(self, name: bytes) -> memoryview | None:
         """The value of ``name`` (a view of a buffer of ``buffers``), None when unset."""
@@ -267,9 +285,9 @@ class LoopClient(_Client):
                         sock = await self._connect(loop)
                     await _asend_all(loop, sock, request)
                     reply = await read(loop, sock)
-            except RedisReplyError:
+            except RedisReplyError as exc:
                 assert sock is not None
-                self._give_back(sock)  # a whole error reply: the connection is fine
+                self._after_error_reply(sock, exc)
                 raise
             except ConnectionError:
                 if sock is not None:
@@ -291,18 +309,23 @@ class LoopClient(_Client):
         for sock in idle:
             sock.close()
 
-    def _give_back(self, sock: socket.socket) -> None:
-        if self._closed:
-            sock.close()
-        else:
-            self._idle.append(sock)
+    async def _resolve(self, loop: asyncio.AbstractEventLoop) -> list[tuple[int, Any]]:
+        """Where to connect: the unix socket's path or an IP address as they are, a host
+        name's addresses resolved once (in the loop's default executor, which the disk
+        tier's reads share) and again only after none of them answered."""
+        if self._targets is None:
+            if self.path is not None:
+                self._targets = [(socket.AF_UNIX, self.path)]
+            elif (ip := _ip_family(self.host)) is not None:
+                self._targets = [(ip, (self.host, self.port))]
+            else:
+                found = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                self._targets = [(family, address) for family, _, _, _, address in found]
+        return self._targets
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
-        if self.path is not None:
-            targets: list[tuple[int, Any]] = [(socket.AF_UNIX, self.path)]
-        else:
-            found = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-            targets = [(family, address) for family, _, _, _, address in found]
+        targets = await self._resolve(loop)
+        self._targets = None  # until one of them answers
         error: OSError = ConnectionError("no address to connect to")
         for family, address in targets:  # as socket.create_connection: each in turn
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -317,6 +340,7 @@ class LoopClient(_Client):
                         await _aread_status(loop, sock)
                     except RedisReplyError as exc:
                         raise SetupRefused(f"Redis refused {what} ({exc.code})") from None
+                self._targets = targets
                 return sock
             except SetupRefused:
                 sock.close()
@@ -328,6 +352,14 @@ class LoopClient(_Client):
                 sock.close()
                 raise
         raise error
+
+
+def _ip_family(host: str | None) -> int | None:
+    """The address family of an IP address, None for a host name."""
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host or "").version == 6 else socket.AF_INET
+    except ValueError:
+        return None
 
 
 def _set_request(name: bytes, parts: tuple[Buffer, ...], ex: int) -> list[Buffer]:
@@ -423,11 +455,16 @@ async def _asend_all(
             _advance(views, sock.sendmsg(views[:512]))
         if views:
             writable = loop.create_future()
-            loop.add_writer(sock, writable.set_result, None)
+            loop.add_writer(sock, _wake, writable)
             try:
                 await writable
             finally:
                 loop.remove_writer(sock)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():  # (cancelled by a callback of the same loop iteration)
+        waiter.set_result(None)
 
 
 async def _aread_line(
@@ -482,13 +519,16 @@ def _line_in(into: bytearray, got: int) -> tuple[bytes, memoryview] | None:
     return None
 
 
-def _error(line: bytes) -> RedisReplyError:
+def _error(line: bytes, rest: memoryview) -> RedisReplyError:
+    """The error of an error reply, whole and alone (else ``ProtocolError``)."""
+    if rest.nbytes:
+        raise ProtocolError("bytes after an error reply")
     return RedisReplyError(line[1:].decode("utf-8", "replace"))
 
 
 def _status(line: bytes, rest: memoryview) -> bytes:
     if line[:1] == b"-":
-        raise _error(line)
+        raise _error(line, rest)
     if line[:1] != b"+" or rest.nbytes:
         raise ProtocolError("expected a status reply")
     return line[1:]
@@ -513,7 +553,7 @@ def _bulk_start(
     CRLF, ``rest`` copied in first), the value's size and the bytes in it so far; None
     for a nil reply."""
     if line[:1] == b"-":
-        raise _error(line)
+        raise _error(line, rest)
     if line[:1] != b"$":
         raise ProtocolError("expected a bulk string reply")
     try:

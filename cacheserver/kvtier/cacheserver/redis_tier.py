@@ -1,8 +1,9 @@
 """The Redis tier: values in a Redis server or a Redis Cluster, through ``redis.asyncio``
 and, for the values themselves on a standalone server without TLS, the tier's own
 clients (``kvtier.cacheserver.redis_bulk``: no copy of a value in Python): every ``GET``
-and a ``SET`` of a record under ``BULK_SET_THREAD_MIN`` on the event loop, a larger
-``SET`` in a worker thread.
+(but with a tenant quota, whose ``GET`` marks the key used on the ledger in the same
+round trip, through redis-py) and a ``SET`` of a record under ``BULK_SET_THREAD_MIN`` on
+the event loop, a larger ``SET`` in a worker thread.
 
 Where the tier connects is one URL::
 
@@ -135,6 +136,7 @@ class RedisTier:
         self._evicted_seen: dict[str, int] = {}
         self._stats_at = -float("inf")
         self._stats_stale = False  # a call since the last read began
+        self._closing = False  # close() began: no more stats reads
         self._stats_task: asyncio.Task[None] | None = None
 
         scheme = url.partition("://")[0].lower() if "://" in url else ""
@@ -263,6 +265,7 @@ class RedisTier:
         await self._refresh_stats()
 
     async def close(self) -> None:
+        self._closing = True
         if self._stats_task is not None:
             self._stats_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -363,6 +366,8 @@ class RedisTier:
         read per interval, and the last calls of a burst are in a read too (an idle tier
         shows what it held when it went idle, not what it held at the burst's first call)."""
         self._stats_stale = True
+        if self._closing:  # a call that ended after close(): its client is closed
+            return
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = asyncio.create_task(self._refresh_stats_while_stale())
 
