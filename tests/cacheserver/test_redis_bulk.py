@@ -15,8 +15,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -255,9 +256,7 @@ async def test_a_call_cancelled_while_connecting_or_sending_leaves_nothing_open(
     selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
     watched = set(selector.get_map())  # the loop's own (its wake-up pipe)
     for answer, call in ((never_answers, "get"), (reads_late, "set")):
-        peer = Peer(answer)
-        c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=30.0)
-        try:
+        with against(answer, timeout_s=30.0) as c:
             task = asyncio.ensure_future(
                 c.get(b"k") if call == "get" else c.set(b"k", (bytes(64 * MiB),))
             )
@@ -274,9 +273,6 @@ async def test_a_call_cancelled_while_connecting_or_sending_leaves_nothing_open(
                 await asyncio.sleep(0.1)
             assert hung_up == [True]
             hung_up.clear()
-        finally:
-            c.close()
-            peer.close()
 
 
 async def test_an_error_reply_with_bytes_after_it_closes_the_connection() -> None:
@@ -287,15 +283,10 @@ async def test_an_error_reply_with_bytes_after_it_closes_the_connection() -> Non
         conn.sendall(b"-ERR nope\r\n+OK\r\n")
         conn.recv(1024)
 
-    peer = Peer(error_and_more)
-    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
-    try:
+    with against(error_and_more) as c:
         with pytest.raises(ConnectionError, match="after an error reply"):
             await c.get(b"k")
         assert c._idle == []
-    finally:
-        c.close()
-        peer.close()
 
 
 async def test_a_protocol_error_reply_closes_the_connection_redis_closes(
@@ -356,18 +347,29 @@ class Peer:
         self.listener.close()
 
 
+@contextlib.contextmanager
+def against(
+    answer: Callable[[socket.socket], object],
+    client: Callable[..., Any] = LoopClient,
+    timeout_s: float = 5.0,
+) -> Iterator[Any]:
+    """A client (``LoopClient`` or ``BulkClient``) whose server is a ``Peer`` answering
+    each connection with ``answer``."""
+    peer = Peer(answer)
+    c = client(host="127.0.0.1", port=peer.port, timeout_s=timeout_s)
+    try:
+        yield c
+    finally:
+        c.close()
+        peer.close()
+
+
 async def test_a_server_that_hangs_up_during_set_up_is_a_connection_error() -> None:
     def hang_up(conn: socket.socket) -> None:
         conn.recv(1024)  # CLIENT SETNAME, unanswered
 
-    peer = Peer(hang_up)
-    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
-    try:
-        with pytest.raises(ConnectionError):
-            await c.get(b"k")
-    finally:
-        c.close()
-        peer.close()
+    with against(hang_up) as c, pytest.raises(ConnectionError):
+        await c.get(b"k")
 
 
 async def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it() -> None:
@@ -380,17 +382,12 @@ async def test_a_reply_trickled_slower_than_the_timeout_fails_the_call_within_it
             time.sleep(0.05)
             conn.sendall(b"x")
 
-    peer = Peer(trickle)
-    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=0.5)
-    try:
+    with against(trickle, timeout_s=0.5) as c:
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             await c.get(b"k")
         assert time.monotonic() - start < 1.0
         assert c._idle == []
-    finally:
-        c.close()
-        peer.close()
 
 
 async def test_a_reply_that_is_not_resp_is_a_protocol_error_and_the_connection_closed() -> None:
@@ -401,15 +398,10 @@ async def test_a_reply_that_is_not_resp_is_a_protocol_error_and_the_connection_c
         conn.sendall(b"%3\r\nnot a bulk string\r\n")
         conn.recv(1024)  # until the client hangs up
 
-    peer = Peer(garbage)
-    c = LoopClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
-    try:
+    with against(garbage) as c:
         with pytest.raises(ConnectionError, match="bulk string"):
             await c.get(b"k")
         assert c._idle == []
-    finally:
-        c.close()
-        peer.close()
 
 
 async def test_an_empty_password_sends_no_auth(redis_server: RedisServer) -> None:
@@ -563,14 +555,9 @@ def test_blocking_set_refused_for_memory_returns_false_and_a_wrong_password_at_s
 
 
 def test_blocking_client_that_hangs_up_during_set_up_is_a_connection_error() -> None:
-    peer = Peer(lambda conn: conn.recv(1024))  # CLIENT SETNAME, unanswered
-    c = BulkClient(host="127.0.0.1", port=peer.port, timeout_s=5.0)
-    try:
-        with pytest.raises(ConnectionError):
-            c.set(b"k", (b"v",))
-    finally:
-        c.close()
-        peer.close()
+    unanswered = against(lambda conn: conn.recv(1024), client=BulkClient)  # CLIENT SETNAME
+    with unanswered as c, pytest.raises(ConnectionError):
+        c.set(b"k", (b"v",))
 
 
 def test_blocking_client_closed_refuses_calls_and_keeps_no_connection(bulk: BulkClient) -> None:
