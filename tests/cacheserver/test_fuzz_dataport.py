@@ -31,6 +31,7 @@ from kvtier.connector.client import TierClient
 from kvtier.proto import datawire as dw
 from kvtier.proto.datawire import Op, Status
 from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.waits import wait_for
 
 EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "150"))
 TOKEN = "f" * 24 + "-fuzz-tenant-token"
@@ -213,8 +214,7 @@ def test_a_peer_that_declares_a_large_value_and_stops_is_cut_and_gives_its_budge
         sock.sendall(dw.request(Op.HELLO, 0, len(auth)) + auth)
         table = dw.put_table([(b"big", MAX_VALUE)])
         sock.sendall(dw.request(Op.PUT, 1, len(table)) + table + b"x" * 100)
-        time.sleep(0.5)
-        assert fuzz_tier.metric("kvtier_server_incoming_bytes") == MAX_VALUE
+        assert wait_for(lambda: fuzz_tier.metric("kvtier_server_incoming_bytes") == MAX_VALUE, 5)  # reserved
         healthy(fuzz_tier)
         sock.settimeout(TIMEOUT_S + 5)
         try:

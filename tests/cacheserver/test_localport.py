@@ -93,8 +93,8 @@ def test_lookup_delete_and_stats_answer_over_the_socket(local_tier: TierProcess,
     assert client.lookup([b"a"]) == 0
     stats = client.stats()
     assert stats.tenant == "default" and [t.name for t in stats.tiers] == ["ram", "disk"]
-    for op in ("LocalLookup", "LocalDelete", "LocalStats"):
-        assert local_tier.metric("kvtier_server_requests_total", op=op, code="OK") >= 1
+    for op in ("LocalLookup", "LocalDelete", "LocalStats"):  # (counted once the reply is sent)
+        assert wait_for(lambda op=op: local_tier.metric("kvtier_server_requests_total", op=op, code="OK") >= 1)
     assert local_tier.metric("kvtier_server_requests_total", op="Lookup", code="OK") == 0  # never gRPC
 
 
@@ -138,13 +138,15 @@ def test_metrics_count_local_requests_and_value_bytes(local_tier: TierProcess, c
     # went through a staging segment; the second reserved room and wrote into it.
     assert local_tier.metric("kvtier_server_requests_total", op="LocalReserve", code="OK") == 2
     assert local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") >= 2
-    assert local_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 1
+    # A request is counted once its reply is sent, and a lease ends when the client's
+    # Release (which has no reply) arrives: both can come just after the client goes on.
+    assert wait_for(lambda: local_tier.metric("kvtier_server_requests_total", op="LocalGet", code="OK") == 1)
     assert local_tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 1
     assert local_tier.metric("kvtier_server_received_bytes_total") == 1000 + 2 * MIB
     assert local_tier.metric("kvtier_server_sent_bytes_total") == 1000 + 2 * MIB
     assert local_tier.metric("kvtier_server_get_keys_total", result="miss") == 1
     assert local_tier.metric("kvtier_local_connections") == 1
-    assert local_tier.metric("kvtier_local_leased_bytes") == 0  # released once copied
+    assert wait_for(lambda: local_tier.metric("kvtier_local_leased_bytes") == 0)  # released once copied
     assert local_tier.metric("kvtier_ram_shared_used_bytes") >= MIB
 
 
@@ -427,7 +429,7 @@ def test_a_put_writes_each_value_once_into_memory_the_tier_reserved_for_it(
     values = [(b"r%d" % i, value(4 * MIB, i)) for i in range(6)]  # 24 MiB: two PUT requests
     assert client.put(values) == 6
     assert local_tier.metric("kvtier_server_requests_total", op="LocalReserve", code="OK") == 1
-    assert local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") == 2
+    assert wait_for(lambda: local_tier.metric("kvtier_server_requests_total", op="LocalPut", code="OK") == 2)
     assert local_tier.metric("kvtier_server_requests_total", op="LocalStage", code="OK") == 0
     assert local_tier.metric("kvtier_server_incoming_bytes") == 0  # every reservation stored
     with RawLocal(local_tier.local_socket, "") as raw:

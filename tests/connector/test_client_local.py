@@ -17,6 +17,7 @@ from kvtier.connector.errors import ConfigError, TierUnavailable
 from kvtier.connector.factory import connect
 from kvtier.connector.metrics import KV
 from kvtier.testing.tierproc import TierProcess
+from kvtier.testing.waits import wait_for
 
 REQUESTS = "kvtier_server_requests_total"
 
@@ -33,8 +34,8 @@ def test_auto_moves_every_call_over_the_socket_when_it_answers(start_tier: Calla
     with TierClient(tier.target, local_socket=tier.local_socket) as client:
         every_call(client)
         assert client.transport == "local"
-    for op in ("LocalPut", "LocalLookup", "LocalGet", "LocalDelete"):
-        assert tier.metric(REQUESTS, op=op, code="OK") >= 1
+    for op in ("LocalPut", "LocalLookup", "LocalGet", "LocalDelete"):  # (counted once the reply is sent)
+        assert wait_for(lambda op=op: tier.metric(REQUESTS, op=op, code="OK") >= 1)
     for op in ("Stats", "Lookup", "DataPut", "Put"):  # no gRPC call, not even the pick's Stats
         assert tier.metric(REQUESTS, op=op, code="OK") == 0
 
