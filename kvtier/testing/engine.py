@@ -186,6 +186,12 @@ class EngineProcess:
         )
         return result
 
+    def kv_nonfinite(self) -> dict[str, Any]:
+        """Blocks of the engine's KV cache holding a NaN or an infinity: ``blocks`` (how
+        many were scanned) and ``found`` (up to 20 ``[tensor, block]``)."""
+        result: dict[str, Any] = self.call({"cmd": "kv_nonfinite"})
+        return result
+
     def last_chunk_keys(self, group: int = 0) -> list[bytes]:
         """The chunk keys (rank 0, KV cache group ``group`` of ``kv_cache_groups()``) of
         the last request this engine's connector keyed, as stored in the tier (multimodal

@@ -166,6 +166,37 @@ def _kv_cache_groups() -> dict[str, Any]:
     }
 
 
+def _kv_nonfinite() -> dict[str, Any]:
+    """Every block of the engine's KV cache (each tensor once, the null block included)
+    that holds a NaN or an infinity: ``blocks`` scanned and ``found``, up to 20 of
+    ``[tensor, block]``. vLLM's CPU attention reads the unwritten slots of a request's
+    blocks too (``kvtier.bench.nanslots``), so such a value anywhere, even where no
+    request has read it yet, turns a later request's output to token 0s (issue 21,
+    defect 1)."""
+    import torch
+
+    runner = _LLM.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    seen: set[int] = set()
+    scanned, found = 0, []
+    tensors = [t for entry in runner.kv_caches for t in (entry if isinstance(entry, list | tuple) else [entry])]
+    for index, tensor in enumerate(tensors):  # (a Mamba layer's entry is a list of states)
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        # An exponent of all ones is a NaN or an infinity: twice as fast as isfinite on bf16.
+        exponent = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}.get(tensor.dtype)
+        for start in range(0, tensor.shape[0], 1024):  # a slice at a time: bounded memory
+            part = tensor[start : start + 1024]
+            if exponent is None:
+                nonfinite = ~torch.isfinite(part)
+            else:
+                nonfinite = (part.view(torch.int16) & exponent) == exponent
+            bad = nonfinite.flatten(1).any(dim=1).nonzero().flatten()
+            found.extend([index, start + int(b)] for b in bad[: max(0, 20 - len(found))])
+            scanned += part.shape[0]
+    return {"blocks": scanned, "found": found}
+
+
 def _kv_blocks(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     """Run one prompt alone, an engine step at a time, and read from vLLM's KV cache
     manager the blocks the request holds in each group after every step: the peak, and
@@ -317,6 +348,8 @@ def _command(message: dict[str, Any]) -> Any:
         return [k[0][0].hex() for k in keys]  # the first KV cache group's
     if cmd == "kv_cache_groups":
         return _kv_cache_groups()
+    if cmd == "kv_nonfinite":
+        return _kv_nonfinite()
     if cmd == "kv_blocks":
         return _kv_blocks(message["prompt"], message["max_tokens"])
     if cmd == "last_chunk_keys":

@@ -118,6 +118,8 @@ def test_engines_under_cpu_contention_load_every_chunk_with_the_no_cache_output(
                 FULL_CHUNKS * PROMPTS_PER_ROUND
             ), f"round {round_}: every full chunk is loaded, none recomputed"
             assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
+            found = loader.kv_nonfinite()["found"]  # no NaN or inf anywhere (tests/recipes/test_contention.py)
+            assert found == [], f"round {round_}: NaN or inf in the loader's KV cache, [tensor, block]: {found}"
 
     # The recycling paths ran: A received B's raw chunks (all one size) into buffers given
     # back by its earlier loads, and the tier received Puts into buffers of values it
@@ -126,6 +128,7 @@ def test_engines_under_cpu_contention_load_every_chunk_with_the_no_cache_output(
     assert tier.metric("kvtier_ram_recycled_buffers_reused_total") > 0
     for engine in (a, b):
         assert not [k for k, v in engine.stats().items() if k.startswith("corrupt_chunks") and v]
+        assert engine.kv_nonfinite()["found"] == []
 
 
 FAILING_ROUNDS = 2

@@ -100,6 +100,8 @@ def test_same_item_hits_in_another_process_with_identical_output_zstd_and_raw(
         assert loaded.token_ids == saved.token_ids
         assert len(set(saved.token_ids)) > 1, "degenerate output would hide a wrong KV load"
     assert zstd[2] < raw[2]
+    for engine in (engines.a, engines.b):  # no NaN or inf written anywhere (test_contention.py)
+        assert engine.kv_nonfinite()["found"] == []
 
 
 def test_other_item_with_same_text_reuses_only_chunks_before_it(engines: Engines) -> None:

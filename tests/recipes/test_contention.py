@@ -9,6 +9,13 @@ runs the path Gemma 3 takes: several KV cache groups (sliding-window and full
 attention), loads vLLM waits for (reported through ``finished_loads``), an image per
 prompt whose encoder output is shared through the tier too.
 
+A NaN anywhere in an engine's KV cache is enough for that output: vLLM's CPU attention
+reads the unwritten slots of a request's blocks (``python -m kvtier.bench.nanslots``), so
+NaN bytes left in a block turn the output of whichever request decodes into it next to
+token 0s, now or many requests later. So after every round the loading engine's whole KV
+cache (and at the end both engines') is scanned for NaN and infinities
+(``EngineProcess.kv_nonfinite``): a bad write fails the round it happened in, read or not.
+
 Busy processes, two per CPU, compete with the engines and the tier for every round; a
 round sends a batch of prompts (several loads and saves in the same steps) from one
 engine to the other (A stores zstd chunks, B raw), the next round the other way. The
@@ -99,5 +106,8 @@ def test_gemma3_engines_under_cpu_contention_load_every_chunk_with_the_no_cache_
                 f"round {round_}: a full chunk was recomputed, not loaded"
             )
             assert counted(after, "load_failed_blocks") == counted(before, "load_failed_blocks")
+            found = loader.kv_nonfinite()["found"]  # nothing non-finite, read or not (yet)
+            assert found == [], f"round {round_}: NaN or inf in the loader's KV cache, [tensor, block]: {found}"
     for engine in (a, b):
         assert counted(engine.stats(), "corrupt_chunks") == 0
+        assert engine.kv_nonfinite()["found"] == []
