@@ -194,6 +194,8 @@ def _kv_nonfinite() -> dict[str, Any]:
             bad = nonfinite.flatten(1).any(dim=1).nonzero().flatten()
             found.extend([index, start + int(b)] for b in bad[: max(0, 20 - len(found))])
             scanned += part.shape[0]
+    if not scanned:  # a scan of nothing would pass whatever the KV cache held
+        raise RuntimeError("kv_nonfinite: the model runner holds no KV cache tensor")
     return {"blocks": scanned, "found": found}
 
 
