@@ -451,7 +451,10 @@ print(json.dumps(found))
 """
 # Each image holds one distribution and what it needs (issue 16): what imports, what must not.
 CONTENTS = {
-    "engine": ({"kvtier.connector.vllm", "kvtier.connector.ec"},
+    # The engine's C helpers too: Dockerfile.vllm builds them, and without them keys and
+    # the NaN scan fall back to slower Python.
+    "engine": ({"kvtier.connector.vllm", "kvtier.connector.ec",
+                "kvtier.connector.chunks._keyhash", "kvtier.connector.chunks._finite"},
                {"redis", "kopf", "kvtier.cacheserver", "kvtier.operator"}),
     "tier": ({"kvtier.cacheserver.server"},
              {"kopf", "vllm", "torch", "kvtier.connector", "kvtier.operator"}),

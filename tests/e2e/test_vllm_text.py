@@ -6,6 +6,7 @@ fresh ``cache_salt`` misses every key, so it is the no-cache reference.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -291,3 +292,67 @@ def test_engine_with_a_salt_and_a_token_file_shares_nothing_with_unsalted_engine
     assert first.num_cached_tokens == 0  # A's entries are not this salt's
     assert again.num_cached_tokens == 3 * CHUNK
     assert first.token_ids == again.token_ids == from_a
+
+
+# -- KV holding NaN ----------------------------------------------------------------
+
+
+def poisoned_copy(model: Path, out: Path) -> Path:
+    """``model`` with NaN in layer 0's key bias: every key that layer computes is NaN, so
+    the model's KV (and from it every output token) is NaN, while its keys stay ``model``'s."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for path in model.iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    tensors["model.layers.0.self_attn.k_proj.bias"][0] = float("nan")
+    save_file(tensors, str(out / weights.name), metadata={"format": "pt"})
+    return out
+
+
+def test_kv_holding_nan_is_never_stored_so_no_other_engine_loads_it(
+    engines, text_model: Path, tier: TierProcess, client: TierClient, start_engine, module_dir: Path
+) -> None:
+    """An engine whose KV went bad (here: a NaN weight) shares keys with healthy engines.
+    Its chunks are refused before they reach the tier (``saves_dropped:nonfinite``), so an
+    engine loading the same prompt computes it and gets the no-cache output. Before the
+    check, B loaded the NaN chunks and generated token 0 throughout."""
+    config = {"target": tier.target, "chunk_size": CHUNK, "model_id": str(text_model), **RELAXED}
+    bad = start_engine(poisoned_copy(text_model, module_dir / "qwen2-tiny-nan"), name="nan", extra_config=config)
+    _, b = engines
+    prompt = prompt_text(PROMPT_WORDS, seed=11)
+    keys = b.chunk_keys(prompt)
+    assert bad.chunk_keys(prompt) == keys
+
+    (garbage,) = bad.generate([{"prompt": prompt}])
+    bad.flush()
+
+    assert set(garbage.token_ids) == {0}  # the NaN is real: every token is 0
+    (out,) = b.generate([{"prompt": prompt}])
+    b.flush()
+    expected = reference(engines, prompt)
+    assert out.token_ids == expected
+    assert set(out.token_ids) != {0}
+    assert out.num_cached_tokens == 0
+    assert bad.stats().get("saves_dropped:nonfinite", 0) == len(keys) == 3
+
+    # A writer without the check (an older connector, another client of the tenant)
+    # stores NaN in B's first chunk: A, which loads it, fails that chunk's verification
+    # and recomputes. Loaded, it poisoned more than this request: vLLM's attention reads
+    # every slot of the blocks it filled, so later requests on them generated 0 too.
+    assert client.lookup(keys) == 3
+    first = decode_chunk(keys[0], client.get(keys[:1])[0])
+    payload = bytearray(first.payload)
+    payload[64:66] = b"\xc0\x7f"  # a bfloat16 NaN
+    assert client.put([(keys[0], encode_chunk_bytes(keys[0], bytes(payload), dtype=first.dtype, shape=first.shape))]) == 1
+    a, _ = engines
+    before = a.stats()
+
+    (loaded,) = a.generate([{"prompt": prompt}])
+    (after_it,) = a.generate([{"prompt": prompt, "cache_salt": "after-the-nan"}])
+
+    assert loaded.token_ids == after_it.token_ids == expected
+    assert a.stats().get("corrupt_chunks:nonfinite", 0) == before.get("corrupt_chunks:nonfinite", 0) + 1

@@ -6,6 +6,7 @@ The tree::
     ├── ConfigError                a bad kv_connector_extra_config / key setting (names the field)
     ├── ChunkDecodeError           a stored chunk failed verification (truncated, bad checksum,
     │                              wrong key fingerprint, unknown version or codec): treat as a miss
+    ├── NonFiniteChunk             a chunk to store holds a NaN or an infinity: not stored
     └── TierError                  the cache tier could not serve a call
         ├── TierUnavailable        transport failure, deadline exceeded, or circuit open: recompute
         └── TierRejected           the tier refused the call as invalid (a bug or a limit): recompute
@@ -32,13 +33,15 @@ CHUNK_ERROR_REASONS = (
     "checksum",
     "layout",
     "shape",
+    "nonfinite",
 )
 """``ChunkDecodeError.reason`` values (a metric label, so a fixed set): ``truncated`` (shorter
 than a header), ``format`` (not a kvtier chunk, or an unknown format version), ``codec``
 (unknown codec id, or a payload the codec cannot decode), ``fingerprint`` (stored under
 another key), ``length`` (header and blob lengths disagree), ``checksum``, ``layout`` (bad
 dtype/shape fields, or a payload that does not fit them), ``shape`` (a valid chunk this
-engine cannot use: another dtype or KV shape)."""
+engine cannot use: another dtype or KV shape), ``nonfinite`` (a KV chunk holding a NaN or an
+infinity, from a writer that did not refuse it: ``chunks/finite.py``)."""
 
 
 class ChunkDecodeError(ConnectorError):
@@ -51,6 +54,16 @@ class ChunkDecodeError(ConnectorError):
         assert reason in CHUNK_ERROR_REASONS, reason
         super().__init__(message)
         self.reason = reason
+
+
+class NonFiniteChunk(ConnectorError, ValueError):
+    """A chunk about to be stored holds a NaN or an infinity (``chunks/finite.py``): the
+    caller drops the save, so no other engine ever loads it."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+        """The first such element of the payload."""
 
 
 class TierError(ConnectorError):

@@ -28,7 +28,7 @@ KV series (counters get ``_total``)::
     kvtier_connector_requests_skipped_total{reason}   bad_input | no_salt
     kvtier_connector_errors_total{op}                 failed tier calls (lookup|load|save|delete)
     kvtier_connector_calls_skipped_total{op}          calls refused by the open breaker
-    kvtier_connector_saves_dropped_total{reason}      queue_full | tier_down | load_failed
+    kvtier_connector_saves_dropped_total{reason}      queue_full | tier_down | load_failed | nonfinite
     kvtier_connector_breaker_opened_total             closed -> open transitions
     kvtier_connector_breaker_open                     gauge: 1 while a circuit breaker of the
                                                       engine (scheduler or any worker) is not

@@ -22,7 +22,7 @@ from typing_extensions import Buffer
 
 from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.errors import TierError
+from kvtier.connector.errors import NonFiniteChunk, TierError
 from kvtier.connector.metrics import Recorder
 from kvtier.connector.tiercalls import PutTier
 
@@ -190,6 +190,9 @@ class SaveSender:
             return save.key, save.parts, save.nbytes
         try:
             parts = save.parts()
+        except NonFiniteChunk as exc:
+            refuse_nonfinite(self._recorder, exc)
+            return None
         except Exception:
             logger.exception("kvtier: encoding a chunk for the tier failed")
             self._recorder.count("errors", label="save")
@@ -207,3 +210,28 @@ class SaveSender:
             logger.warning("kvtier: Delete failed (%s)", exc)
             return
         self._breaker.success()
+
+
+_NONFINITE_LOG_EVERY_S = 60.0
+_nonfinite_logged = [0.0, 0]
+"""When ``refuse_nonfinite`` last logged, and the chunks refused since."""
+_nonfinite_lock = threading.Lock()
+
+
+def refuse_nonfinite(recorder: Recorder, exc: NonFiniteChunk) -> None:
+    """A chunk not stored because it holds a NaN or an infinity: counted in
+    ``saves_dropped{reason="nonfinite"}``, and logged at most once a minute per process
+    (an engine whose KV went bad refuses every chunk it computes)."""
+    recorder.count("saves_dropped", label="nonfinite")
+    with _nonfinite_lock:
+        _nonfinite_logged[1] += 1
+        now = time.monotonic()
+        if _nonfinite_logged[0] and now - _nonfinite_logged[0] < _NONFINITE_LOG_EVERY_S:
+            return
+        refused, _nonfinite_logged[:] = _nonfinite_logged[1], [now, 0]
+    logger.warning(
+        "kvtier: not storing KV that holds a NaN or an infinity (%s; %d chunk(s) refused "
+        "since the last warning): this engine's KV cache or model produced non-finite "
+        "values, and sharing them would spread wrong output to every engine that loads them",
+        exc, refused,
+    )  # fmt: skip

@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
+from kvtier.connector.chunks.finite import first_nonfinite
 from kvtier.connector.chunks.keys import FINGERPRINT_SIZE, key_fingerprint
-from kvtier.connector.errors import ChunkDecodeError, ConfigError
+from kvtier.connector.errors import ChunkDecodeError, ConfigError, NonFiniteChunk
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -120,6 +121,7 @@ def encode_chunk(
     codec: str = "raw",
     group: str = "",
     first_block: int = 0,
+    check_finite: bool = False,
 ) -> list[Buffer]:
     """The chunk as ``[header, payload view]``: write or send them in order, unjoined.
 
@@ -128,6 +130,9 @@ def encode_chunk(
     first block the payload holds (format version 2). Raises ``ConfigError`` for an
     unknown dtype or codec and ``ValueError`` when the payload does not have ``shape`` x
     ``dtype`` bytes, or for a group tag that is not ASCII of at most 255 bytes.
+
+    With ``check_finite``, a floating-point payload holding a NaN or an infinity raises
+    ``NonFiniteChunk`` (``chunks/finite.py``).
     """
     if codec not in CODEC_IDS:
         raise ConfigError(f"codec must be one of {', '.join(CODEC_IDS)}, got {codec!r}")
@@ -148,6 +153,8 @@ def encode_chunk(
             f"needs {expected}"
         )
     group_field = _group_field(group, first_block)
+    if check_finite and (found := first_nonfinite(data, dtype)) >= 0:  # raw bytes, not compressed
+        raise NonFiniteChunk(f"the chunk's payload holds a NaN or an infinity ({dtype} element {found})", found)
     if codec == "zstd":
         data = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
     name = dtype.encode("ascii")

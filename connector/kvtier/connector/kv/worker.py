@@ -57,9 +57,10 @@ from typing import Any
 import torch
 
 from kvtier.connector.chunks.codec import decode_chunk, encode_chunk
+from kvtier.connector.chunks.finite import first_nonfinite
 from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.errors import ChunkDecodeError, TierError
+from kvtier.connector.errors import ChunkDecodeError, NonFiniteChunk, TierError
 from kvtier.connector.kv.copies import KVCopier, LoadChunk
 from kvtier.connector.kv.groupcopies import GroupCopies
 from kvtier.connector.kv.groups import KVGroup
@@ -67,7 +68,7 @@ from kvtier.connector.kv.layouts import KVContent, KVOrder
 from kvtier.connector.kv.plan import ChunkLoad, ChunkSave, RequestLoad, StepPlan
 from kvtier.connector.kv.streams import CopyStreams
 from kvtier.connector.metrics import Recorder
-from kvtier.connector.sender import SaveSender
+from kvtier.connector.sender import SaveSender, refuse_nonfinite
 from kvtier.connector.tiercalls import GetTier
 
 logger = logging.getLogger(__name__)
@@ -339,6 +340,13 @@ class KvtierWorker:
                 f"engine needs {self._tags[group]!r} from block {chunk.stored_from}",
                 "shape",
             )
+        found = first_nonfinite(decoded.payload, dtype)
+        if found >= 0:  # one such chunk would poison this engine (docs/connector.md)
+            raise ChunkDecodeError(
+                f"chunk holds a NaN or an infinity ({dtype} element {found}): stored by a "
+                "writer that does not check for them",
+                "nonfinite",
+            )
         return LoadChunk(decoded.payload, stored, chunk.first_block, chunk.block_ids)
 
     # -- saves -------------------------------------------------------------------------
@@ -380,12 +388,15 @@ class KvtierWorker:
                 encode_chunk, key, payload, dtype=self._dtypes[save.group],
                 shape=tuple(buffer.shape), codec=self._config.codec,
                 group=self._tags[save.group], first_block=save.stored_from,
+                check_finite=True,
             )  # fmt: skip
             if self._config.codec == "raw":
-                parts = encode()  # no work but a header: here, not on the sender
+                parts = encode()  # a header, and a scan and hash of the payload in cache
                 self._sender.offer(key, parts, sum(memoryview(p).nbytes for p in parts))
             else:  # compressing is real work: the sender thread does it
                 self._sender.offer(key, encode, 0)
+        except NonFiniteChunk as exc:
+            refuse_nonfinite(self._recorder, exc)
         except Exception:
             logger.exception("kvtier: queueing a chunk for the tier failed")
             self._recorder.count("errors", label="save")
