@@ -333,3 +333,34 @@ def test_an_unsupported_output_dtype_is_dropped_and_counted(
     worker.save(plan, {"i": torch.zeros(2, 2, dtype=torch.float64)}, "i")  # type: ignore[arg-type]
     worker.shutdown()
     assert recorder.total("saves_dropped", label="unsupported") == 1
+
+
+def test_an_output_holding_a_nan_is_neither_stored_nor_loaded(client: TierClient) -> None:
+    """An encoder output with a NaN or an infinity would put it into every engine that
+    loads the item: its save is dropped (``nonfinite``), and one stored by a writer that
+    does not check is a miss, counted and deleted."""
+    sched, recorder = scheduler(client)
+    req = request(feature("img-nan"))
+    key = sched.key(req, req.mm_features[0])
+    assert key is not None
+    bad = output(3)
+    bad[1, 2] = float("inf")
+    saver = Recorder(metrics.EC)
+    worker = KvtierECWorker(
+        parse_config({"target": client.target}), client, device="cpu",
+        breaker=CircuitBreaker(3, 1.0), recorder=saver,
+    )  # fmt: skip
+    worker.save(SimpleNamespace(saves={"img-nan": key}, loads=[]), {"img-nan": bad}, "img-nan")  # type: ignore[arg-type]
+    assert worker.sender.flush(10.0)
+    worker.shutdown()
+    assert saver.total("saves_dropped", label="nonfinite") == 1
+    assert client.get([key]) == [None]
+
+    payload = bad.reshape(-1).view(torch.uint8).numpy()
+    client.put([(key, encode_chunk_bytes(key, payload, dtype="bfloat16", shape=tuple(bad.shape)))])
+    sched.ensure_cache_available(req, 0)
+
+    assert not sched.has_cache_item("img-nan")
+    assert recorder.total("corrupt_chunks") == 1
+    sched.shutdown()  # flushes the delete
+    assert client.get([key]) == [None]

@@ -45,7 +45,7 @@ Encoder-cache series::
     kvtier_connector_ec_corrupt_chunks_total      entries failing verification (misses, deleted)
     kvtier_connector_ec_errors_total{op}          failed tier calls (load|save|delete)
     kvtier_connector_ec_calls_skipped_total{op}   calls refused by the open breaker
-    kvtier_connector_ec_saves_dropped_total{reason}   queue_full | tier_down | unsupported
+    kvtier_connector_ec_saves_dropped_total{reason}   queue_full | tier_down | unsupported | nonfinite
     kvtier_connector_ec_breaker_opened_total      closed -> open transitions
     kvtier_connector_ec_breaker_open              gauge: 1 while a breaker of the encoder
                                                   cache (scheduler or a worker) is not closed

@@ -41,6 +41,7 @@ from typing import Any, Final
 
 from kvtier.connector.chunks.codec import DTYPE_SIZES, decode_chunk
 from kvtier.connector.chunks.encoder_keys import EncoderKeySpec, encoder_key
+from kvtier.connector.chunks.finite import first_nonfinite
 from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.encoder.plan import ECStepPlan, EncoderLoad
@@ -271,6 +272,10 @@ class KvtierECScheduler:
             )
         if chunk.payload.nbytes != math.prod(shape) * DTYPE_SIZES[chunk.dtype]:
             raise ChunkDecodeError("encoder output payload does not fit its shape")
+        if (found := first_nonfinite(chunk.payload, chunk.dtype)) >= 0:
+            raise ChunkDecodeError(
+                f"encoder output holds a NaN or an infinity ({chunk.dtype} element {found})", "nonfinite"
+            )
         return EncoderLoad(identifier, chunk.dtype, shape, bytes(chunk.payload))
 
     def _hold(self, entry: EncoderLoad) -> None:

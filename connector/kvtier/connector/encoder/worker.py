@@ -18,8 +18,9 @@ from kvtier.connector.chunks.codec import DTYPE_SIZES, encode_chunk
 from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.encoder.plan import ECStepPlan, EncoderLoad
+from kvtier.connector.errors import NonFiniteChunk
 from kvtier.connector.metrics import Recorder
-from kvtier.connector.sender import SaveSender
+from kvtier.connector.sender import SaveSender, refuse_nonfinite
 from kvtier.connector.tiercalls import PutTier
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,11 @@ class KvtierECWorker:
             return
         host = output.detach().to("cpu", copy=True).contiguous()
         payload = host.reshape(-1).view(torch.uint8).numpy()
-        parts = encode_chunk(key, payload, dtype=dtype, shape=tuple(host.shape))
+        try:
+            parts = encode_chunk(key, payload, dtype=dtype, shape=tuple(host.shape), check_finite=True)
+        except NonFiniteChunk as exc:
+            refuse_nonfinite(self._recorder, exc)
+            return
         self.sender.offer(key, parts, payload.nbytes)
 
     def shutdown(self) -> None:
