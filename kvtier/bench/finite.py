@@ -6,7 +6,9 @@ infinities").
 For bfloat16 chunks of 128 KiB (the test suite's 2-layer model, 256 tokens), 3 MiB (a
 0.5B model) and 16 MiB (about a 7B model), prints the best of ``--repeat`` passes:
 
-- the scan alone (``chunks.finite.first_nonfinite``): the C helper and numpy;
+- the scan alone (``chunks.finite.first_nonfinite``): the C helper (on the payload, and on
+  a copy of it at an odd address, where a chunk whose header has an odd length puts it)
+  and numpy;
 - xxh3-64 of the payload, which every save and every load already computes;
 - a save's ``encode_chunk`` (``raw``: a header and the xxh3-64 of the payload) without
   and with ``check_finite``;
@@ -56,8 +58,10 @@ def cases(size: int) -> list[tuple[str, Callable[[], object]]]:
     def decode_and_scan() -> int:
         return finite.first_nonfinite(decode_chunk(KEY, blob).payload, "bfloat16")
 
+    skewed = memoryview(bytearray(1) + payload.tobytes())[1:]  # a payload after an odd-length header
     return [
         ("scan (C)", partial(finite.first_nonfinite, payload, "bfloat16")),
+        ("scan (C), at an odd address", partial(finite.first_nonfinite, skewed, "bfloat16")),
         ("scan (numpy)", partial(finite.first_nonfinite_py, payload, width, mask)),
         ("xxh3-64", partial(xxhash.xxh3_64_intdigest, payload)),
         ("encode_chunk raw", encode),

@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [
     "scan (C)",
+    "scan (C), at an odd address",
     "scan (numpy)",
     "xxh3-64",
     "encode_chunk raw",

@@ -213,25 +213,28 @@ class SaveSender:
 
 
 _NONFINITE_LOG_EVERY_S = 60.0
-_nonfinite_logged = [0.0, 0]
-"""When ``refuse_nonfinite`` last logged, and the chunks refused since."""
+_nonfinite_logged: dict[str, tuple[float, int]] = {}
+"""Per series (KV chunks, encoder outputs): when ``refuse_nonfinite`` last logged, and
+the refusals since."""
 _nonfinite_lock = threading.Lock()
 
 
 def refuse_nonfinite(recorder: Recorder, exc: NonFiniteChunk) -> None:
     """A chunk not stored because it holds a NaN or an infinity: counted in
-    ``saves_dropped{reason="nonfinite"}``, and logged at most once a minute per process
-    (an engine whose KV went bad refuses every chunk it computes)."""
+    ``saves_dropped{reason="nonfinite"}``, and logged at most once a minute per process and
+    series (an engine whose KV went bad refuses every chunk it computes)."""
     recorder.count("saves_dropped", label="nonfinite")
+    what = recorder.series.prefix
     with _nonfinite_lock:
-        _nonfinite_logged[1] += 1
+        last, refused = _nonfinite_logged.get(what, (0.0, 0))
         now = time.monotonic()
-        if _nonfinite_logged[0] and now - _nonfinite_logged[0] < _NONFINITE_LOG_EVERY_S:
+        if last and now - last < _NONFINITE_LOG_EVERY_S:
+            _nonfinite_logged[what] = (last, refused + 1)
             return
-        refused, _nonfinite_logged[:] = _nonfinite_logged[1], [now, 0]
+        _nonfinite_logged[what] = (now, 0)
     logger.warning(
-        "kvtier: not storing KV that holds a NaN or an infinity (%s; %d chunk(s) refused "
-        "since the last warning): this engine's KV cache or model produced non-finite "
-        "values, and sharing them would spread wrong output to every engine that loads them",
-        exc, refused,
+        "kvtier: not storing a value that holds a NaN or an infinity (%s; %s): this "
+        "engine's model or KV cache produced non-finite values, and sharing them would "
+        "spread wrong output to every engine that loads them",
+        exc, f"{refused} more refused since the last such warning" if last else "the first",
     )  # fmt: skip

@@ -3,13 +3,15 @@
 A tier shares one engine's KV with every engine that loads the same prefix, so a chunk
 holding a NaN or an infinity (an overflow, a corrupted cache, a bug) would turn into
 wrong output wherever it is loaded: vLLM's attention reads every slot of a block, and NaN
-there makes every later token of the request wrong (docs/connector.md, "What the
-connector refuses to store"). ``encode_chunk(..., check_finite=True)`` refuses such a
+there makes every later token of the request wrong (docs/connector.md, "NaN and
+infinities"). ``encode_chunk(..., check_finite=True)`` refuses such a
 payload with ``NonFiniteChunk``; the worker drops that save and counts it.
 
 An element is not finite when its exponent field is all ones (IEEE 754; float8_e4m3fn
 has no infinity, and its NaN is exponent and mantissa all ones). Dtypes that are not
-floating point (int8, uint8) are never scanned. The scan runs in C where ``_finite``
+floating point (int8, uint8) are never scanned: neither, so, are vLLM's fp8 KV caches,
+which it keeps as uint8 bytes (which fp8 they hold depends on the cache dtype and, for
+e4m3, the platform: ROCm's e4m3fnuz has its NaN at 0x80, which no mask test finds). The scan runs in C where ``_finite``
 (connector/kvtier/connector/chunks/_finite.c) is built, else with numpy.
 """
 
