@@ -197,3 +197,92 @@ def test_a_stored_chunk_holding_a_nan_is_never_loaded(worker: KvtierWorker, tier
         assert torch.isfinite(cache.float()).all()
         assert torch.equal(cache[0:2], good[0])  # the good chunk is loaded (layer 0)
         assert client.lookup([b"bad"]) == 0  # deleted
+
+
+# -- fp8 KV caches: uint8 bytes, scanned as the fp8 type vLLM stores -----------------------------
+
+FP8_CONTENT = KVContent("cpu", heads=1, tokens=128, head_size=4, head_size_v=4, dtype="uint8")
+
+
+def fp8_worker(tier: TierProcess, values: list[str] | None) -> KvtierWorker:
+    config = ConnectorConfig.from_extra_config({"target": tier.target, "chunk_size": 256})
+    link = factory.connect(config, metrics.KV)
+    worker = KvtierWorker(
+        config, link.client, rank=0, num_blocks=NUM_BLOCKS, layer_order=("l0",),
+        breaker=link.breaker, recorder=link.recorder,
+    )  # fmt: skip
+    cache = (torch.randn(NUM_BLOCKS, *SHAPE) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
+    worker.register_kv_caches({"l0": cache}, order=KVOrder.named("LBHNC"), content=FP8_CONTENT, values=values)
+    return worker
+
+
+@pytest.mark.parametrize(("values", "stored"), [(["float8_e4m3fn"], [True, False]), (None, [True, True])],
+                         ids=["as-fp8", "as-uint8"])  # fmt: skip
+def test_an_fp8_cache_is_scanned_as_its_fp8_type(
+    tier: TierProcess, values: list[str] | None, stored: list[bool]
+) -> None:
+    """vLLM keeps an fp8 KV cache as uint8 bytes; scanned as float8_e4m3fn, the NaN byte
+    0x7F is found (0x7E, 448, is not a NaN); scanned as uint8 (``values`` not given), nothing is."""
+    worker = fp8_worker(tier, values)
+    try:
+        cache = worker.copies.copier(0)._views[0].layer
+        cache[0, 0, 3, 2] = 0x7E  # 448: the largest finite e4m3fn
+        cache[3, 0, 100, 0] = 0x7F  # NaN
+        names = [f"fp8-{values is None}-{i}".encode() for i in range(2)]
+        plan = StepPlan(saves=[ChunkSave((name,), (2 * i, 2 * i + 1)) for i, name in enumerate(names)])
+        worker.start_load_kv(plan)
+        worker.save_kv_layer("l0", plan)
+        worker.wait_for_save(plan)
+        assert worker.sender.flush(10.0)
+        with TierClient(tier.target) as client:
+            assert [v is not None for v in client.get(names, stop_at_first_miss=False)] == stored
+        assert worker._recorder.total("saves_dropped", "nonfinite") == stored.count(False)
+    finally:
+        worker.shutdown()
+
+
+def test_a_stored_fp8_chunk_holding_a_nan_is_never_loaded(tier: TierProcess) -> None:
+    worker = fp8_worker(tier, ["float8_e4m3fn"])
+    try:
+        shape = worker.copies.chunk_shape(0, 2)
+        payload = (torch.randn(shape) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
+        payload[0, 1, 0, 5, 3] = 0xFF  # -NaN
+        with TierClient(tier.target) as client:
+            blob = b"".join(encode_chunk(b"fp8-bad", payload.reshape(-1).numpy(), dtype="uint8", shape=shape))
+            assert client.put([(b"fp8-bad", blob)]) == 1
+            plan = StepPlan(loads=[RequestLoad("r", (ChunkLoad((b"fp8-bad",), 0, (4, 5)),))])
+            worker.start_load_kv(plan)
+            worker.wait_for_save(plan)
+            assert worker.failed_blocks() == {4, 5}
+            assert worker._recorder.total("corrupt_chunks", "nonfinite") == 1
+    finally:
+        worker.shutdown()
+
+
+def test_encode_chunk_scans_as_the_dtype_it_is_given() -> None:
+    payload = bytes([0x10, 0x7E, 0x7F, 0x20])
+    assert encode_chunk(KEY, payload, dtype="uint8", shape=(4,), check_finite=True)  # uint8: not scanned
+    with pytest.raises(NonFiniteChunk, match=r"float8_e4m3fn element 2"):
+        encode_chunk(KEY, payload, dtype="uint8", shape=(4,), check_finite="float8_e4m3fn")
+    assert encode_chunk(KEY, payload, dtype="uint8", shape=(4,), check_finite="")  # "": not scanned
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "stored", "scanned_as"),
+    [
+        ("auto", "bfloat16", "bfloat16"),
+        ("fp8", "uint8", "float8_e4m3fn"),  # this platform's e4m3 (not ROCm's fnuz)
+        ("fp8_e4m3", "uint8", "float8_e4m3fn"),
+        ("fp8_e5m2", "uint8", "float8_e5m2"),
+        ("fp8_ds_mla", "uint8", ""),  # scales packed among the values: not scanned
+        ("int8_per_token_head", "int8", "int8"),  # not floating point: first_nonfinite skips it
+    ],
+)
+def test_each_cache_dtype_is_scanned_as_the_values_it_holds(cache_dtype: str, stored: str, scanned_as: str) -> None:
+    from types import SimpleNamespace
+
+    from kvtier.connector.kv import vllmspec
+
+    content = KVContent("cpu", heads=1, tokens=128, head_size=4, head_size_v=4, dtype=stored)
+    config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+    assert vllmspec.value_dtypes(config, [content, CONTENT]) == [scanned_as, "bfloat16"]

@@ -356,3 +356,39 @@ def test_kv_holding_nan_is_never_stored_so_no_other_engine_loads_it(
 
     assert loaded.token_ids == after_it.token_ids == expected
     assert a.stats().get("corrupt_chunks:nonfinite", 0) == before.get("corrupt_chunks:nonfinite", 0) + 1
+    bad.close()  # the module's engines stay up until its end: free this one's memory now
+
+
+def test_an_fp8_kv_cache_never_loads_a_nan(
+    text_model: Path, tier: TierProcess, client: TierClient, start_engine
+) -> None:
+    """With fp8 KV caches (``kv_cache_dtype: fp8``) vLLM keeps uint8 bytes; the connector
+    scans them as the platform's e4m3 (``vllmspec.value_dtypes``). A chunk whose bytes hold
+    an e4m3 NaN (0x7F), stored by a writer that does not check, is refused at load. (A NaN
+    weight does not make such bytes here: vLLM's CPU fp8 quantizer wrote finite bytes for it,
+    and the outputs were wrong but not 0.)"""
+    config = {"target": tier.target, "chunk_size": CHUNK, **RELAXED}
+    fp8 = {"kv_cache_dtype": "fp8"}
+    a = start_engine(text_model, name="fp8-a", extra_config=config, llm_kwargs=fp8, wait=False)
+    b = start_engine(text_model, name="fp8-b", extra_config=config, llm_kwargs=fp8, wait=False)
+    a.wait_ready()
+    b.wait_ready()
+    prompt = prompt_text(PROMPT_WORDS, seed=12)
+    keys = b.chunk_keys(prompt)
+    (saved,) = a.generate([{"prompt": prompt}])
+    a.flush()
+    assert client.lookup(keys) == 3
+    first = decode_chunk(keys[0], client.get(keys[:1])[0])
+    assert first.dtype == "uint8"
+    payload = bytearray(first.payload)
+    payload[100] = 0x7F  # an e4m3 NaN
+    assert client.put([(keys[0], encode_chunk_bytes(keys[0], bytes(payload), dtype="uint8", shape=first.shape))]) == 1
+    before = b.stats()
+
+    (loaded,) = b.generate([{"prompt": prompt}])
+    (after_it,) = b.generate([{"prompt": prompt, "cache_salt": "fp8-after-the-nan"}])
+
+    assert loaded.token_ids == after_it.token_ids == saved.token_ids
+    assert b.stats().get("corrupt_chunks:nonfinite", 0) == before.get("corrupt_chunks:nonfinite", 0) + 1
+    for engine in (a, b):
+        engine.begin_close()

@@ -225,8 +225,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             )
         layout = self._layout_name or vllm_config.cache_config.kv_cache_layout
         self.worker.register_kv_caches(
-            kv_caches, order=KVOrder.named(str(layout)), content=self._contents
-        )
+            kv_caches, order=KVOrder.named(str(layout)), content=self._contents,
+            values=vllmspec.value_dtypes(vllm_config, self._contents),
+        )  # fmt: skip
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._plan())

@@ -121,7 +121,7 @@ def encode_chunk(
     codec: str = "raw",
     group: str = "",
     first_block: int = 0,
-    check_finite: bool = False,
+    check_finite: bool | str = False,
 ) -> list[Buffer]:
     """The chunk as ``[header, payload view]``: write or send them in order, unjoined.
 
@@ -132,7 +132,8 @@ def encode_chunk(
     ``dtype`` bytes, or for a group tag that is not ASCII of at most 255 bytes.
 
     With ``check_finite``, a floating-point payload holding a NaN or an infinity raises
-    ``NonFiniteChunk`` (``chunks/finite.py``).
+    ``NonFiniteChunk`` (``chunks/finite.py``); a dtype name there scans the payload as that
+    dtype instead (an fp8 KV cache's ``uint8`` bytes as ``float8_e4m3fn``).
     """
     if codec not in CODEC_IDS:
         raise ConfigError(f"codec must be one of {', '.join(CODEC_IDS)}, got {codec!r}")
@@ -153,8 +154,9 @@ def encode_chunk(
             f"needs {expected}"
         )
     group_field = _group_field(group, first_block)
-    if check_finite and (found := first_nonfinite(data, dtype)) >= 0:  # raw bytes, not compressed
-        raise NonFiniteChunk(f"the chunk's payload holds a NaN or an infinity ({dtype} element {found})", found)
+    scan = check_finite if isinstance(check_finite, str) else dtype if check_finite else ""
+    if scan and (found := first_nonfinite(data, scan)) >= 0:  # raw bytes, not compressed
+        raise NonFiniteChunk(f"the chunk's payload holds a NaN or an infinity ({scan} element {found})", found)
     if codec == "zstd":
         data = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
     name = dtype.encode("ascii")

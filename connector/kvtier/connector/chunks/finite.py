@@ -9,9 +9,9 @@ payload with ``NonFiniteChunk``; the worker drops that save and counts it.
 
 An element is not finite when its exponent field is all ones (IEEE 754; float8_e4m3fn
 has no infinity, and its NaN is exponent and mantissa all ones). Dtypes that are not
-floating point (int8, uint8) are never scanned: neither, so, are vLLM's fp8 KV caches,
-which it keeps as uint8 bytes (which fp8 they hold depends on the cache dtype and, for
-e4m3, the platform: ROCm's e4m3fnuz has its NaN at 0x80, which no mask test finds). The scan runs in C where ``_finite``
+floating point (int8, uint8) are never scanned; vLLM keeps an fp8 KV cache as uint8 bytes,
+and the connector scans those as the fp8 type they hold (``kv/vllmspec.value_dtypes``;
+not ROCm's e4m3fnuz, whose NaN is 0x80, which no mask test finds). The scan runs in C where ``_finite``
 (connector/kvtier/connector/chunks/_finite.c) is built, else with numpy.
 """
 

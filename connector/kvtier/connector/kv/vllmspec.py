@@ -14,6 +14,7 @@ connector front calls them in vLLM's processes).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.connector.chunks.keys import KeySpec
@@ -22,7 +23,7 @@ from kvtier.connector.errors import ConfigError
 from kvtier.connector.kv.groups import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, KVGroup
 from kvtier.connector.kv.layouts import KVContent
 
-__all__ = ["backends", "engine_groups", "retention"]
+__all__ = ["backends", "engine_groups", "retention", "value_dtypes"]
 
 
 def engine_groups(
@@ -75,6 +76,24 @@ def engine_groups(
         )
         contents.append(content)
     return groups, contents
+
+
+def value_dtypes(vllm_config: Any, contents: Sequence[KVContent]) -> list[str]:
+    """Per group, the dtype of the values its pages hold, for the NaN scan (chunks/finite.py):
+    the stored dtype, or for an fp8 cache (uint8 bytes) its fp8 type: ``float8_e5m2``, or
+    ``float8_e4m3fn`` where that is the platform's e4m3. ``""`` (not scanned) for ROCm's
+    e4m3fnuz, whose NaN (0x80) no mask finds, and for any other cache of uint8 bytes
+    (quantized formats with packed scales, whose bytes are not all values)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    value = ""
+    if cache_dtype == "fp8_e5m2":
+        value = "float8_e5m2"
+    elif cache_dtype in ("fp8", "fp8_e4m3") and current_platform.fp8_dtype() == torch.float8_e4m3fn:
+        value = "float8_e4m3fn"
+    return [value if c.dtype == "uint8" else c.dtype for c in contents]
 
 
 def retention(spec: Any, index: int, count: int) -> tuple[str, int, int]:

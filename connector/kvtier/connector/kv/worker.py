@@ -112,6 +112,7 @@ class KvtierWorker:
         self._layerwise = config.layerwise
         self._copies: GroupCopies | None = None
         self._dtypes: list[str] = []
+        self._values: list[str] = []
         self._failed: set[int] = set()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
@@ -150,10 +151,13 @@ class KvtierWorker:
         *,
         order: KVOrder,
         content: KVContent | Sequence[KVContent],
+        values: Sequence[str] | None = None,
     ) -> None:
         """The engine's per-layer ``[B, H, N, C]`` views; ``content``: what a page holds,
-        one for every group or one per group. ``ConfigError`` when a layer does not fit
-        ``order`` and its group's content (what vLLM reported)."""
+        one for every group or one per group. ``values``: per group, the dtype the NaN scan
+        reads its pages as (``vllmspec.value_dtypes``: an fp8 cache's type; ``""``: not
+        scanned); by default each content's dtype. ``ConfigError`` when a layer does not
+        fit ``order`` and its group's content (what vLLM reported)."""
         contents = [content] * len(self._tags) if isinstance(content, KVContent) else list(content)
         if len(self._group_names) == 1:
             names = [n for n in self._group_names[0] if n in kv_caches] or list(kv_caches)
@@ -171,6 +175,7 @@ class KvtierWorker:
             streams=streams,
         )  # fmt: skip
         self._dtypes = [c.dtype for c in contents]
+        self._values = list(values) if values is not None else list(self._dtypes)
         if self._copies.pinned:
             self._tier.receive_into(_pinned_bytes)
         logger.info(
@@ -340,10 +345,10 @@ class KvtierWorker:
                 f"engine needs {self._tags[group]!r} from block {chunk.stored_from}",
                 "shape",
             )
-        found = first_nonfinite(decoded.payload, dtype)
-        if found >= 0:  # one such chunk would poison this engine (docs/connector.md)
+        values = self._values[group]
+        if (found := first_nonfinite(decoded.payload, values)) >= 0:  # one such chunk would poison this engine (docs/connector.md)
             raise ChunkDecodeError(
-                f"chunk holds a NaN or an infinity ({dtype} element {found}): stored by a "
+                f"chunk holds a NaN or an infinity ({values} element {found}): stored by a "
                 "writer that does not check for them",
                 "nonfinite",
             )
@@ -388,7 +393,7 @@ class KvtierWorker:
                 encode_chunk, key, payload, dtype=self._dtypes[save.group],
                 shape=tuple(buffer.shape), codec=self._config.codec,
                 group=self._tags[save.group], first_block=save.stored_from,
-                check_finite=True,
+                check_finite=self._values[save.group],
             )  # fmt: skip
             if self._config.codec == "raw":
                 parts = encode()  # a header, and a scan and hash of the payload in cache
