@@ -22,28 +22,18 @@ as a save's host buffer and a load's receive buffer are.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 import xxhash
 
+from kvtier.bench.copies import best_seconds
 from kvtier.connector.chunks import finite
 from kvtier.connector.chunks.codec import decode_chunk, encode_chunk
 
 SIZES = (128 << 10, 3 << 20, 16 << 20)
 KEY = b"kvtier-bench-finite".ljust(32, b".")
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def cases(size: int) -> list[tuple[str, Callable[[], object]]]:
@@ -73,7 +63,7 @@ def cases(size: int) -> list[tuple[str, Callable[[], object]]]:
 
 def rows(repeat: int) -> list[tuple[int, str, float]]:
     """(chunk bytes, what, seconds per chunk)."""
-    return [(size, name, _best(fn, repeat)) for size in SIZES for name, fn in cases(size)]
+    return [(size, name, best_seconds(fn, repeat)) for size in SIZES for name, fn in cases(size)]
 
 
 def main(argv: list[str] | None = None) -> None:
