@@ -259,6 +259,19 @@ def test_a_stored_fp8_chunk_holding_a_nan_is_never_loaded(tier: TierProcess) -> 
         worker.shutdown()
 
 
+def test_finite_e4m3_bytes_pass_when_scanned_as_an_fp8_cache_is() -> None:
+    """Every finite e4m3fn byte (what TRITON_ATTN writes for fp8_e5m2 too: 384 to 448 are
+    0x7C to 0x7E, an e5m2 infinity or NaN) passes; 0x7F and 0xFF (NaN in e4m3fn and e5m2) do not."""
+    values = torch.arange(256, dtype=torch.uint8)
+    finite_bytes = values[torch.isfinite(values.view(torch.float8_e4m3fn).float())]
+    assert len(finite_bytes) == 254
+    assert finite.first_nonfinite(finite_bytes.numpy(), "float8_e4m3fn") == -1
+    assert torch.tensor([384.0, 448.0, 1000.0]).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == [0x7C, 0x7E, 0x7E]
+    for nan in (0x7F, 0xFF):
+        assert finite.first_nonfinite(bytes([0x10, nan]), "float8_e4m3fn") == 1
+        assert not torch.isfinite(torch.tensor([nan], dtype=torch.uint8).view(torch.float8_e5m2).float())
+
+
 def test_encode_chunk_scans_as_the_dtype_it_is_given() -> None:
     payload = bytes([0x10, 0x7E, 0x7F, 0x20])
     assert encode_chunk(KEY, payload, dtype="uint8", shape=(4,), check_finite=True)  # uint8: not scanned
@@ -273,15 +286,20 @@ def test_encode_chunk_scans_as_the_dtype_it_is_given() -> None:
         ("auto", "bfloat16", "bfloat16"),
         ("fp8", "uint8", "float8_e4m3fn"),  # this platform's e4m3 (not ROCm's fnuz)
         ("fp8_e4m3", "uint8", "float8_e4m3fn"),
-        ("fp8_e5m2", "uint8", "float8_e5m2"),
+        ("fp8_e5m2", "uint8", "float8_e4m3fn"),  # 0x7F and 0xFF: NaN in e5m2 and e4m3 alike
         ("fp8_ds_mla", "uint8", ""),  # scales packed among the values: not scanned
         ("int8_per_token_head", "int8", "int8"),  # not floating point: first_nonfinite skips it
     ],
 )
 def test_each_cache_dtype_is_scanned_as_the_values_it_holds(cache_dtype: str, stored: str, scanned_as: str) -> None:
+    """On this machine's platform (the CPU: e4m3 is e4m3fn, as on CUDA; not ROCm's fnuz)."""
     from types import SimpleNamespace
 
+    from vllm.platforms import current_platform
+
     from kvtier.connector.kv import vllmspec
+
+    assert current_platform.fp8_dtype() == torch.float8_e4m3fn
 
     content = KVContent("cpu", heads=1, tokens=128, head_size=4, head_size_v=4, dtype=stored)
     config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 
 from kvtier.connector.chunks.codec import decode_chunk, encode_chunk_bytes
@@ -359,6 +360,10 @@ def test_kv_holding_nan_is_never_stored_so_no_other_engine_loads_it(
     bad.close()  # the module's engines stay up until its end: free this one's memory now
 
 
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU fp8 KV cache needs x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py)",
+)
 def test_an_fp8_kv_cache_never_loads_a_nan(
     text_model: Path, tier: TierProcess, client: TierClient, start_engine
 ) -> None:

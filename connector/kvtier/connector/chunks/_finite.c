@@ -31,10 +31,11 @@
 
 /* A payload need not start at a multiple of its element size (a chunk's header has an odd
  * length when its group tag has): elements are read through types of alignment 1, which
- * gcc vectorizes with unaligned loads, as fast here as aligned ones. */
+ * gcc vectorizes with unaligned loads, as fast here as aligned ones, and that may alias
+ * whatever the buffer holds (bytes). */
 typedef uint8_t any8;
-typedef uint16_t any16 __attribute__((aligned(1)));
-typedef uint32_t any32 __attribute__((aligned(1)));
+typedef uint16_t any16 __attribute__((aligned(1), may_alias));
+typedef uint32_t any32 __attribute__((aligned(1), may_alias));
 
 #define FIRST(name, type, lane)                                                             \
     WIDE static Py_ssize_t name(const type *p, Py_ssize_t n, lane mask)                     \

@@ -10,8 +10,9 @@ payload with ``NonFiniteChunk``; the worker drops that save and counts it.
 An element is not finite when its exponent field is all ones (IEEE 754; float8_e4m3fn
 has no infinity, and its NaN is exponent and mantissa all ones). Dtypes that are not
 floating point (int8, uint8) are never scanned; vLLM keeps an fp8 KV cache as uint8 bytes,
-and the connector scans those as the fp8 type they hold (``kv/vllmspec.value_dtypes``;
-not ROCm's e4m3fnuz, whose NaN is 0x80, which no mask test finds). The scan runs in C where ``_finite``
+and the connector scans those for the bytes that are NaN in every fp8 it may hold
+(``kv/vllmspec.value_dtypes``; not on ROCm's e4m3fnuz, whose NaN is 0x80, which no mask
+test finds). The scan runs in C where ``_finite``
 (connector/kvtier/connector/chunks/_finite.c) is built, else with numpy.
 """
 

@@ -79,20 +79,21 @@ def engine_groups(
 
 
 def value_dtypes(vllm_config: Any, contents: Sequence[KVContent]) -> list[str]:
-    """Per group, the dtype of the values its pages hold, for the NaN scan (chunks/finite.py):
-    the stored dtype, or for an fp8 cache (uint8 bytes) its fp8 type: ``float8_e5m2``, or
-    ``float8_e4m3fn`` where that is the platform's e4m3. ``""`` (not scanned) for ROCm's
-    e4m3fnuz, whose NaN (0x80) no mask finds, and for any other cache of uint8 bytes
-    (quantized formats with packed scales, whose bytes are not all values)."""
+    """Per group, the dtype the NaN scan (chunks/finite.py) reads its pages as: the stored
+    dtype, or for an fp8 cache (uint8 bytes) ``float8_e4m3fn``, whose only non-finite bytes
+    are 0x7F and 0xFF. Those are NaN in e5m2 too, and never finite in either, so
+    ``fp8_e5m2`` is scanned the same way: vLLM's backends differ in which fp8 they write
+    for it (TRITON_ATTN writes the platform's e4m3, where e5m2's infinity and NaN masks
+    would match the finite 384 to 448), and e5m2's infinities and other NaNs go unfound.
+    ``""`` (not scanned) where the platform's e4m3 is e4m3fnuz (ROCm MI300: 0x7F is 240,
+    its NaN 0x80), and for any other cache of uint8 bytes (quantized formats with packed
+    scales, whose bytes are not all values)."""
     import torch
     from vllm.platforms import current_platform
 
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    value = ""
-    if cache_dtype == "fp8_e5m2":
-        value = "float8_e5m2"
-    elif cache_dtype in ("fp8", "fp8_e4m3") and current_platform.fp8_dtype() == torch.float8_e4m3fn:
-        value = "float8_e4m3fn"
+    fp8 = cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
+    value = "float8_e4m3fn" if fp8 and current_platform.fp8_dtype() == torch.float8_e4m3fn else ""
     return [value if c.dtype == "uint8" else c.dtype for c in contents]
 
 

@@ -60,7 +60,7 @@ from kvtier.connector.chunks.codec import decode_chunk, encode_chunk
 from kvtier.connector.chunks.finite import first_nonfinite
 from kvtier.connector.client.breaker import CircuitBreaker
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.errors import ChunkDecodeError, NonFiniteChunk, TierError
+from kvtier.connector.errors import ChunkDecodeError, ConfigError, NonFiniteChunk, TierError
 from kvtier.connector.kv.copies import KVCopier, LoadChunk
 from kvtier.connector.kv.groupcopies import GroupCopies
 from kvtier.connector.kv.groups import KVGroup
@@ -176,6 +176,8 @@ class KvtierWorker:
         )  # fmt: skip
         self._dtypes = [c.dtype for c in contents]
         self._values = list(values) if values is not None else list(self._dtypes)
+        if len(self._values) != len(contents):
+            raise ConfigError(f"kvtier: {len(self._values)} value dtypes for {len(contents)} KV cache groups")
         if self._copies.pinned:
             self._tier.receive_into(_pinned_bytes)
         logger.info(
