@@ -347,8 +347,8 @@ class KvtierWorker:
                 f"engine needs {self._tags[group]!r} from block {chunk.stored_from}",
                 "shape",
             )
-        values = self._values[group]
-        if (found := first_nonfinite(decoded.payload, values)) >= 0:  # one such chunk would poison this engine (docs/connector.md)
+        values = self._values[group]  # one such chunk would poison this engine (docs/connector.md)
+        if (found := first_nonfinite(decoded.payload, values)) >= 0:
             raise ChunkDecodeError(
                 f"chunk holds a NaN or an infinity ({values} element {found}): stored by a "
                 "writer that does not check for them",
@@ -398,7 +398,7 @@ class KvtierWorker:
                 check_finite=self._values[save.group],
             )  # fmt: skip
             if self._config.codec == "raw":
-                parts = encode()  # a header, and a scan and hash of the payload in cache
+                parts = encode()  # a header, the scan and the hash of the payload: cheap
                 self._sender.offer(key, parts, sum(memoryview(p).nbytes for p in parts))
             else:  # compressing is real work: the sender thread does it
                 self._sender.offer(key, encode, 0)
